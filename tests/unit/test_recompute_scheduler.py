@@ -1,0 +1,191 @@
+"""The plugin schedulers, driven in-process with vLLM's own config and request objects.
+
+They must behave exactly like vLLM's schedulers under every PauseState: the pause logic is
+upstream's own code, inherited, never copied.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
+from vllm_ascend_rl.testing.scheduler import SchedulerHarness, fake_model_output
+
+OURS = [RecomputeScheduler, AsyncRecomputeScheduler]
+UPSTREAM_OF = {RecomputeScheduler: Scheduler, AsyncRecomputeScheduler: AsyncScheduler}
+INHERITED = [
+    "schedule",
+    "update_from_output",
+    "set_pause_state",
+    "finish_requests",
+    "get_num_unfinished_requests",
+    "reset_prefix_cache",
+    "pause_state",
+]
+
+
+@pytest.fixture(params=OURS, ids=lambda c: c.__name__)
+def harness(request, tiny_model) -> SchedulerHarness:
+    return SchedulerHarness(request.param, model_path=tiny_model)
+
+
+def scheduled(out) -> dict[str, int]:
+    return dict(out.num_scheduled_tokens)
+
+
+@pytest.mark.parametrize("cls", OURS, ids=lambda c: c.__name__)
+def test_pause_and_scheduling_loops_are_upstreams_own(cls):
+    upstream = UPSTREAM_OF[cls]
+    assert issubclass(cls, upstream) and issubclass(cls, Scheduler)
+    for name in INHERITED:
+        assert getattr(cls, name) is getattr(upstream, name), f"{cls.__name__}.{name} is a copy"
+    assert issubclass(AsyncRecomputeScheduler, RecomputeScheduler)
+    mro = AsyncRecomputeScheduler.__mro__
+    assert mro.index(AsyncScheduler) < mro.index(RecomputeScheduler) < mro.index(Scheduler)
+
+
+def test_unpaused_schedules_new_requests(harness):
+    r1, r2 = harness.add(40), harness.add(24)
+    out, _ = harness.step()
+    assert scheduled(out) == {r1.request_id: 40, r2.request_id: 24}
+    assert r1.status == r2.status == RequestStatus.RUNNING
+
+
+def test_paused_new_drains_running_and_admits_nothing(harness):
+    sched = harness.scheduler
+    running = harness.add(40, max_tokens=3)
+    harness.step()
+    queued = harness.add(24)
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    assert sched.get_num_unfinished_requests() == 1  # only the running request counts
+    out, _ = harness.step()
+    assert scheduled(out) == {running.request_id: 1}
+    assert queued.status == RequestStatus.WAITING
+    harness.step()  # third and last token
+    assert running.is_finished() and running.num_output_tokens == 3
+    assert not sched.has_unfinished_requests(), "a drained PAUSED_NEW engine must be idle"
+    out, _ = harness.step()
+    assert scheduled(out) == {} and queued.status == RequestStatus.WAITING
+    sched.set_pause_state(PauseState.UNPAUSED)
+    out, _ = harness.step()
+    assert scheduled(out) == {queued.request_id: 24}
+
+
+def test_paused_all_schedules_nothing_and_keeps_kv(harness):
+    sched = harness.scheduler
+    running = harness.add(40)
+    harness.step()
+    queued = harness.add(24)
+    blocks_before = sched.kv_cache_manager.get_block_ids(running.request_id)
+    sched.set_pause_state(PauseState.PAUSED_ALL)
+    assert sched.get_num_unfinished_requests() == 0
+    for _ in range(3):
+        out, _ = harness.step()
+        assert out.total_num_scheduled_tokens == 0
+    assert running.status == RequestStatus.RUNNING and running.num_output_tokens == 1
+    assert sched.kv_cache_manager.get_block_ids(running.request_id) == blocks_before
+    assert queued.status == RequestStatus.WAITING
+    sched.set_pause_state(PauseState.UNPAUSED)
+    out, _ = harness.step()
+    assert scheduled(out) == {running.request_id: 1, queued.request_id: 24}
+
+
+def test_reset_prefix_cache_preempts_running_requests_for_recompute(harness):
+    sched = harness.scheduler
+    req = harness.add(40)
+    for _ in range(3):
+        harness.step()
+    assert req.num_output_tokens == 3
+    sched.set_pause_state(PauseState.PAUSED_ALL)  # what /pause?mode=keep does first
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    assert req.status == RequestStatus.PREEMPTED
+    assert req.num_computed_tokens == 0 and req.num_preemptions == 1
+    assert req not in sched.running and req in sched.waiting
+    assert (
+        sched.kv_cache_manager.block_pool.get_num_free_blocks()
+        == sched.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    )  # all but the null block
+    out, _ = harness.step()
+    assert out.total_num_scheduled_tokens == 0, "paused: the preempted request must wait"
+    sched.set_pause_state(PauseState.UNPAUSED)
+    out, _ = harness.step()
+    # Recompute: prompt plus every generated token is prefilled again, on the V1 resume path.
+    assert scheduled(out) == {req.request_id: 40 + 3}
+    assert req.request_id in out.scheduled_cached_reqs.resumed_req_ids
+    assert req.status == RequestStatus.RUNNING and req.num_output_tokens == 4
+
+
+def _trace(cls) -> list:
+    """A fixed sequence of adds, steps and pause-state changes; returns what each step did."""
+    h = SchedulerHarness(cls, num_blocks=24)
+    sched, log = h.scheduler, []
+    plan = [
+        "add",
+        "step",
+        "add",
+        "step",
+        PauseState.PAUSED_NEW,
+        "add",
+        "step",
+        "step",
+        PauseState.PAUSED_ALL,
+        "step",
+        "reset",
+        PauseState.UNPAUSED,
+        "step",
+        "add",
+        "add",
+        "step",
+        "step",
+        "abort",
+        "step",
+        "step",
+    ]
+    for i, op in enumerate(plan):
+        if op == "add":
+            h.add(64 + 16 * i, max_tokens=4, request_id=f"r{i}", first_token=i)
+        elif op == "step":
+            out, outputs = h.step()
+            finished = sorted(
+                o.request_id
+                for eo in outputs.values()
+                for o in eo.outputs
+                if o.finish_reason is not None
+            )
+            log.append((scheduled(out), finished, sorted(out.preempted_req_ids or [])))
+        elif op == "reset":
+            log.append(sched.reset_prefix_cache(reset_running_requests=True))
+        elif op == "abort":
+            sched.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+        else:
+            sched.set_pause_state(op)
+        log.append((sched.pause_state, sched.get_num_unfinished_requests()))
+    return log
+
+
+@pytest.mark.parametrize("cls", OURS, ids=lambda c: c.__name__)
+def test_matches_upstream_step_by_step(cls, tiny_model):
+    assert _trace(cls) == _trace(UPSTREAM_OF[cls])
+
+
+@pytest.mark.parametrize("cls", [AsyncRecomputeScheduler, AsyncScheduler], ids=lambda c: c.__name__)
+def test_async_stepping_with_a_batch_in_flight(cls, tiny_model):
+    """Under async scheduling the engine schedules step N+1 before step N's output is back."""
+    h = SchedulerHarness(cls, model_path=tiny_model)
+    sched = h.scheduler
+    req = h.add(40, max_tokens=8)
+    out1 = sched.schedule()  # prefill
+    out2 = sched.schedule()  # decode, scheduled on a placeholder
+    assert scheduled(out2) == {req.request_id: 1}
+    assert req.num_output_placeholders == 2
+    sched.set_pause_state(PauseState.PAUSED_ALL)  # a pause arrives with two steps in flight
+    sched.update_from_output(out1, fake_model_output(sched, out1, 11))
+    sched.update_from_output(out2, fake_model_output(sched, out2, 12))
+    assert list(req.output_token_ids) == [11, 12] and req.num_output_placeholders == 0
+    assert sched.schedule().total_num_scheduled_tokens == 0
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert scheduled(sched.schedule()) == {req.request_id: 1}

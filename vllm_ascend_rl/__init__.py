@@ -1,0 +1,34 @@
+"""vllm_ascend_rl: async-RL plumbing for vLLM on Ascend NPUs, runnable and tested on CPU.
+
+``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it once in every
+process (API server, engine core, workers); trainer processes call it themselves before
+``WeightTransferTrainerFactory.trainer_init``. It is idempotent, imports nothing heavy beyond
+vLLM's factory modules, and never raises because another plugin took a name first.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_registered: dict[str, str | None] | None = None
+
+
+def register() -> dict[str, str | None]:
+    """Register the plugin's components in vLLM's factories; return ``{component: name}``."""
+    global _registered
+    if _registered is not None:
+        return _registered
+    from vllm.logger import init_logger
+
+    from vllm_ascend_rl._registration import register_all
+
+    _registered = register_all()
+    init_logger(__name__).info(
+        "vllm_ascend_rl %s registered: %s",
+        __version__,
+        ", ".join(f"{k} as {v!r}" for k, v in _registered.items()) or "nothing yet",
+    )
+    return _registered
+
+
+__all__ = ["__version__", "register"]

@@ -1,0 +1,159 @@
+"""Trainer-side control plane for one or more vLLM servers: pause, resume, sleep, wake.
+
+These are vLLM's own dev-mode routes (``VLLM_SERVER_DEV_MODE=1``); this client only adds what
+an RL loop needs around them: fan-out to every engine behind an external load balancer (each
+must be paused on its own), a ``node_rank`` guard so only the control node of a multi-node
+engine sends requests, finite timeouts, and errors that carry the server's message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+import requests
+
+PauseMode = Literal["abort", "wait", "keep"]
+
+
+class EngineControlError(RuntimeError):
+    """A control call failed; ``status`` is the HTTP status (``None`` if unreachable)."""
+
+    def __init__(self, url: str, status: int | None, message: str) -> None:
+        super().__init__(f"{url}: {status or 'unreachable'}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+def error_message(response: requests.Response) -> str:
+    """The human part of a vLLM error body (``{"error": {"message": ...}}`` or plain text)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:2000]
+    err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict):
+        return str(err.get("message", err))
+    return str(err)
+
+
+class EngineControlClient:
+    """Control one engine (a URL) or several (a list); calls fan out to all of them.
+
+    ``node_rank != 0`` turns every call into a no-op returning ``None``, the guard RL
+    frameworks need when each node's actor holds a handle to the same server.
+    """
+
+    def __init__(
+        self, urls: str | Sequence[str], *, node_rank: int = 0, timeout_s: float = 300.0
+    ) -> None:
+        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        if not self.urls:
+            raise ValueError("EngineControlClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in self.urls]
+        self.node_rank = node_rank
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _call(
+        self,
+        url: str,
+        method: str,
+        route: str,
+        params: Any = None,
+        json: Any = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        try:
+            r = self.session.request(
+                method, url + route, params=params, json=json, timeout=timeout_s or self.timeout_s
+            )
+        except requests.RequestException as e:
+            raise EngineControlError(url + route, None, str(e)) from e
+        if r.status_code >= 400:
+            raise EngineControlError(url + route, r.status_code, error_message(r))
+        try:
+            return r.json()
+        except ValueError:
+            return r.text
+
+    def _fan_out(
+        self,
+        method: str,
+        route: str,
+        params: Any = None,
+        json: Any = None,
+        timeout_s: float | None = None,
+    ) -> list[Any] | None:
+        if self.node_rank != 0:
+            return None
+        if len(self.urls) == 1:
+            return [self._call(self.urls[0], method, route, params, json, timeout_s)]
+        with ThreadPoolExecutor(len(self.urls)) as pool:
+            futures = [
+                pool.submit(self._call, u, method, route, params, json, timeout_s)
+                for u in self.urls
+            ]
+            return [f.result() for f in futures]
+
+    @staticmethod
+    def _agreed(values: Iterable[Any], what: str) -> Any:
+        values = list(values)
+        if any(v != values[0] for v in values):
+            raise RuntimeError(f"engines disagree on {what}: {values}")
+        return values[0]
+
+    # -- pause / resume ------------------------------------------------------------------
+    def pause(
+        self, mode: PauseMode = "keep", clear_cache: bool = True, timeout_s: float | None = None
+    ) -> None:
+        """``POST /pause``; returns once every engine's pause is complete.
+
+        ``keep`` with ``clear_cache=True`` (vLLM's default) preempts running requests so that
+        after a weight update they recompute with the new weights; ``clear_cache=False`` keeps
+        their KV cache, which is stale after an update.
+        """
+        self._fan_out(
+            "POST",
+            "/pause",
+            {"mode": mode, "clear_cache": str(clear_cache).lower()},
+            timeout_s=timeout_s,
+        )
+
+    def resume(self) -> None:
+        self._fan_out("POST", "/resume")
+
+    def is_paused(self) -> bool | None:
+        out = self._fan_out("GET", "/is_paused")
+        return None if out is None else self._agreed((o["is_paused"] for o in out), "is_paused")
+
+    # -- sleep / wake --------------------------------------------------------------------
+    def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        self._fan_out("POST", "/sleep", {"level": level, "mode": mode})
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        self._fan_out("POST", "/wake_up", [("tags", t) for t in tags] if tags else None)
+
+    def is_sleeping(self) -> bool | None:
+        out = self._fan_out("GET", "/is_sleeping")
+        return None if out is None else self._agreed((o["is_sleeping"] for o in out), "is_sleeping")
+
+    # -- misc ----------------------------------------------------------------------------
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        self._fan_out(
+            "POST",
+            "/reset_prefix_cache",
+            {"reset_running_requests": str(reset_running_requests).lower()},
+        )
+
+    def world_size(self) -> int | None:
+        out = self._fan_out("GET", "/get_world_size")
+        return None if out is None else self._agreed((o["world_size"] for o in out), "world_size")
+
+    def healthy(self) -> bool:
+        try:
+            self._fan_out("GET", "/health", timeout_s=10)
+        except EngineControlError:
+            return False
+        return True

