@@ -57,14 +57,18 @@ def run(url: str, model_name: str, max_tokens: int, min_tokens: int) -> bool:
         s.join(300)
 
     ok = frozen
-    print(f"pause(keep) {pause_ms:.1f} ms, resume {resume_ms:.1f} ms, "
-          f"frozen while paused: {'yes' if frozen else 'NO'}")
+    print(
+        f"pause(keep) {pause_ms:.1f} ms, resume {resume_ms:.1f} ms, "
+        f"frozen while paused: {'yes' if frozen else 'NO'}"
+    )
     print(f"{'request':<8}{'before pause':>14}{'after resume':>14}{'total':>8}  finish")
     for i, (s, before) in enumerate(zip(streams, at_pause, strict=True)):
         good = s.ok and s.finish_reason == "length" and s.num_tokens == max_tokens
         ok &= good
-        print(f"{i:<8}{before:>14}{s.num_tokens - before:>14}{s.num_tokens:>8}  "
-              f"{s.finish_reason}{'' if good else '  <-- FAILED ' + str(s.error)}")
+        print(
+            f"{i:<8}{before:>14}{s.num_tokens - before:>14}{s.num_tokens:>8}  "
+            f"{s.finish_reason}{'' if good else '  <-- FAILED ' + str(s.error)}"
+        )
     print("PASS" if ok else "FAIL")
     return ok
 
@@ -74,16 +78,18 @@ def main() -> int:
     ap.add_argument("--server-url", help="use this running server instead of starting one")
     ap.add_argument("--model-name", default="tiny", help="served model name on --server-url")
     ap.add_argument("--max-tokens", type=int, default=600)
-    ap.add_argument("--min-tokens", type=int, default=20, help="tokens each request has "
-                    "before the pause")
+    ap.add_argument(
+        "--min-tokens", type=int, default=20, help="tokens each request has before the pause"
+    )
     args = ap.parse_args()
     if args.server_url:
         return 0 if run(args.server_url, args.model_name, args.max_tokens, args.min_tokens) else 1
 
     model = build_tiny_model()
     print(f"tiny model: {model}\nstarting vLLM server with {PLUGIN_SCHEDULER} ...")
-    with VLLMServer(model, extra_args=[*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
-                    ) as server:
+    with VLLMServer(
+        model, extra_args=[*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
+    ) as server:
         print(f"server up at {server.url} (log: {server.log_path})")
         ok = run(server.url, "tiny", args.max_tokens, args.min_tokens)
     return 0 if ok else 1
