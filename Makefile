@@ -21,7 +21,7 @@ $(STAMP): setup.py pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python examples/pause_resume_demo.py
+	$(BIN)/python examples/rlhf_http_hccl.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -38,3 +38,6 @@ e2e: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/weight_sync.py

@@ -9,6 +9,7 @@ again (vLLM calls general plugins once per process, trainers call it by hand) is
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 from vllm.logger import init_logger
@@ -45,14 +46,28 @@ class Component:
     name: str
     module: str
     class_name: str
+    # A TrainerInitInfo class whose ``backend`` ClassVar must name what we registered under
+    # (the trainer factory dispatches on it), as "module:Class".
+    init_info: str = ""
 
     @property
     def fallback_name(self) -> str:
         return f"ascend_rl_{self.name}"
 
 
-# What the plugin registers. Filled in as capabilities land.
-COMPONENTS: tuple[Component, ...] = ()
+_HCCL = "vllm_ascend_rl.weight_transfer.hccl"
+
+# What the plugin registers.
+COMPONENTS: tuple[Component, ...] = (
+    Component("weight_transfer_engine", "hccl", _HCCL, "HCCLWeightTransferEngine"),
+    Component(
+        "weight_transfer_trainer",
+        "hccl",
+        _HCCL,
+        "HCCLTrainerWeightTransferEngine",
+        init_info=f"{_HCCL}:HCCLTrainerInitInfo",
+    ),
+)
 
 # (factory, preferred name) -> name actually used in this process
 _chosen: dict[tuple[str, str], str] = {}
@@ -90,6 +105,7 @@ def register_component(component: Component) -> str | None:
             logger.info("vllm_ascend_rl: %s %r is taken by another plugin", component.factory, name)
             continue
         _chosen[(component.factory, component.name)] = name
+        _sync_init_info_backend(component, name)
         return name
     logger.warning(
         "vllm_ascend_rl: could not register %s %s.%s: names %r and %r are taken",
@@ -99,6 +115,17 @@ def register_component(component: Component) -> str | None:
         component.fallback_name,
     )
     return None
+
+
+def _sync_init_info_backend(component: Component, name: str) -> None:
+    """Point an already-imported init-info class at the name we registered under (a module
+    imported later reads :func:`registered_name` itself)."""
+    if not component.init_info:
+        return
+    module, cls = component.init_info.split(":")
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        getattr(loaded, cls).backend = name
 
 
 def registered_name(factory: str, name: str) -> str:

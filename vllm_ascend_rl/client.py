@@ -147,6 +147,14 @@ class EngineControlClient:
             {"reset_running_requests": str(reset_running_requests).lower()},
         )
 
+    def reload_weights(self, weights_path: str) -> None:
+        """Reload the weights from a checkpoint on the server's disk (vLLM's layerwise reload)."""
+        self._fan_out(
+            "POST",
+            "/collective_rpc",
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
+        )
+
     def world_size(self) -> int | None:
         out = self._fan_out("GET", "/get_world_size")
         return None if out is None else self._agreed((o["world_size"] for o in out), "world_size")

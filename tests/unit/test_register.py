@@ -94,3 +94,48 @@ def test_import_and_register_are_cheap():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _fresh(name: str) -> None:
+    for f in FACTORIES:
+        f._registry.pop(name, None)
+        f._registry.pop(f"ascend_rl_{name}", None)
+    _registration._chosen.clear()
+
+
+def test_hccl_is_registered_in_both_factories():
+    _fresh("hccl")
+    names = _registration.register_all()
+    assert names["weight_transfer_engine:hccl"] == names["weight_transfer_trainer:hccl"] == "hccl"
+    engine_cls = WeightTransferEngineFactory._registry["hccl"]()
+    trainer_cls = WeightTransferTrainerFactory._registry["hccl"]()
+    assert engine_cls.__name__ == "HCCLWeightTransferEngine"
+    assert trainer_cls.__name__ == "HCCLTrainerWeightTransferEngine"
+    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+
+    assert HCCLTrainerInitInfo.backend == "hccl"
+
+
+def test_hccl_taken_by_vllm_ascend_falls_back_and_trainer_dispatch_follows():
+    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+
+    _fresh("hccl")
+    for f in FACTORIES:  # what vllm-ascend's register_engine() does
+        f.register_engine(
+            "hccl", "vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"
+        )
+    try:
+        names = _registration.register_all()
+        assert names["weight_transfer_engine:hccl"] == "ascend_rl_hccl"
+        assert names["weight_transfer_trainer:hccl"] == "ascend_rl_hccl"
+        # The trainer factory dispatches on init_info.backend: it must reach our engine.
+        assert HCCLTrainerInitInfo.backend == "ascend_rl_hccl"
+        assert (
+            WeightTransferTrainerFactory._registry["ascend_rl_hccl"]().__name__
+            == "HCCLTrainerWeightTransferEngine"
+        )
+        assert (
+            WeightTransferEngineFactory._registry["hccl"]().__name__ == "NCCLWeightTransferEngine"
+        )  # theirs, untouched
+    finally:
+        HCCLTrainerInitInfo.backend = "hccl"

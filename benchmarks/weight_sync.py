@@ -1,0 +1,193 @@
+"""HCCL weight-sync throughput: packed and per-tensor ``send_weights`` vs one raw broadcast.
+
+In one run, between the same two processes (this script as the trainer, rank 0, and the vLLM
+worker, rank 1, over the engine's own channel):
+
+  (a) raw    one broadcast of a single buffer holding the model's total bytes (the bound)
+  (b) packed ``send_weights()`` end to end, packed buckets (start -> update -> finish)
+  (c) tensor ``send_weights()`` end to end, one broadcast per tensor
+
+for a >= 1 GB bf16 model and for a model with many small tensors. efficiency = (a) / (b) in
+seconds. Targets: packed efficiency >= 0.75; packed >= 3x faster than per-tensor on the
+many-small-tensor model. On CPU the collective is gloo over loopback.
+
+    python benchmarks/weight_sync.py [--repeats 3] [--big-layers 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+
+import requests
+import torch
+from vllm.distributed.weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+
+import vllm_ascend_rl
+from vllm_ascend_rl.testing import TinyModelSpec, VLLMServer, build_tiny_model, free_port
+from vllm_ascend_rl.testing.tiny_model import load_hf_model
+from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+
+EXT = "vllm_ascend_rl.testing.bench_worker_ext.WeightSyncBenchExtension"
+
+
+def raw_broadcast_s(engine, url: str, buf: torch.Tensor) -> float:
+    """Trainer-side seconds for one broadcast of ``buf`` (warm, reused on both sides)."""
+    channel = engine.channel
+    nbytes = buf.numel()
+    reply: dict = {}
+
+    def receive() -> None:
+        r = requests.post(
+            url + "/collective_rpc",
+            timeout=600,
+            json={"method": "bench_raw_receive", "kwargs": {"nbytes": str(nbytes)}},
+        )
+        reply["status"] = r.status_code
+
+    t = threading.Thread(target=receive, daemon=True)
+    t.start()
+    t0 = time.perf_counter()
+    channel.wait(channel.broadcast(buf), "raw broadcast")
+    seconds = time.perf_counter() - t0
+    t.join(600)
+    assert reply.get("status") == 200, reply
+    return seconds
+
+
+def transport_s(engine, url: str) -> float:
+    """Trainer-side seconds of the data plane of one update whose receiver does not load."""
+    from dataclasses import asdict
+
+    from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
+    from vllm_ascend_rl.weight_transfer.hccl import HCCLWeightTransferUpdateInfo, _plan
+    from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress
+
+    specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in engine.source.metadata()]
+    info = json.dumps(asdict(HCCLWeightTransferUpdateInfo.from_specs(specs)))
+    plan = _plan(specs, engine.init_info.packed, engine.init_info.packed_buffer_size_bytes)
+    receive = BackgroundCall(
+        "discard",
+        requests.post,
+        url + "/collective_rpc",
+        None,
+        {"method": "bench_receive_discard", "kwargs": {"update_info": info}},
+    )
+    bar = Progress(0, False, "")
+    engine._broadcast(engine.channel, plan, receive, bar)
+    seconds = bar.close()
+    assert receive.result(600).status_code == 200
+    return seconds
+
+
+def measure(name: str, spec: TinyModelSpec, repeats: int) -> dict:
+    path = build_tiny_model(spec)
+    model = load_hf_model(path)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    ntensors = sum(1 for _ in model.parameters())
+    print(f"[{name}] {nbytes / 1e9:.2f} GB in {ntensors} tensors; starting vLLM ...", flush=True)
+    row = {"model": name, "GB": nbytes / 1e9, "tensors": ntensors}
+    with VLLMServer(
+        path,
+        extra_args=[
+            "--enforce-eager",
+            "--max-num-seqs",
+            "4",
+            "--weight-transfer-config",
+            '{"backend": "hccl"}',
+            "--worker-extension-cls",
+            EXT,
+        ],
+        max_model_len=512,
+    ) as server:
+        for mode, packed in (("packed", True), ("tensor", False)):
+            engine = WeightTransferTrainerFactory.trainer_init(
+                HCCLTrainerInitInfo(
+                    master_address="127.0.0.1",
+                    master_port=free_port(),
+                    world_size=2,
+                    rank=0,
+                    packed=packed,
+                    timeout_s=600,
+                ),
+                client=HTTPVLLMWeightSyncClient(server.url, timeout=600),
+                source=ModuleSource(model),
+            )
+            engine.send_weights()  # warm-up
+            results = [engine.send_weights() for _ in range(repeats)]
+            row[f"{mode}_s"] = statistics.median(r.seconds for r in results)
+            transport_s(engine, server.url)  # warm-up
+            row[f"{mode}_transport_s"] = statistics.median(
+                transport_s(engine, server.url) for _ in range(repeats)
+            )
+            if packed:
+                buf = torch.ones(nbytes, dtype=torch.uint8)
+                raw_broadcast_s(engine, server.url, buf)  # warm-up
+                row["raw_s"] = statistics.median(
+                    raw_broadcast_s(engine, server.url, buf) for _ in range(repeats)
+                )
+                del buf
+            engine.shutdown()
+    row["efficiency"] = row["raw_s"] / row["packed_s"]
+    row["speedup"] = row["tensor_s"] / row["packed_s"]
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--big-layers", type=int, default=10, help="layers of the >= 1 GB model")
+    args = ap.parse_args()
+    vllm_ascend_rl.register()
+    big = TinyModelSpec(
+        seed=1,
+        num_layers=args.big_layers,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=5632,
+    )
+    small = TinyModelSpec(
+        seed=1, num_layers=48, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256
+    )
+    rows = [measure("1GB-bf16", big, args.repeats), measure("many-small", small, args.repeats)]
+
+    print(
+        "\n| model | GB | tensors | (a) raw bcast s | (b) packed e2e s | (c) per-tensor e2e s "
+        "| efficiency (a)/(b) | packed speedup (c)/(b) | packed transport s | per-tensor "
+        "transport s | transport efficiency |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['GB']:.2f} | {r['tensors']} | {r['raw_s']:.3f} | "
+            f"{r['packed_s']:.3f} | {r['tensor_s']:.3f} | {r['efficiency']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['packed_transport_s']:.3f} | "
+            f"{r['tensor_transport_s']:.3f} | {r['raw_s'] / r['packed_transport_s']:.2f} |"
+        )
+    print(
+        "transport = the same buckets on the same channel, receiver not loading (vLLM's "
+        "layerwise reload excluded)"
+    )
+    eff, speed = rows[0]["efficiency"], rows[1]["speedup"]
+    print(
+        f"\ntarget packed efficiency >= 0.75 on {rows[0]['model']}: {eff:.2f} "
+        f"({'met' if eff >= 0.75 else 'NOT met'})"
+    )
+    print(
+        f"target packed >= 3x per-tensor on {rows[1]['model']}: {speed:.2f}x "
+        f"({'met' if speed >= 3 else 'NOT met'})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""One async-RL weight swap against a live server, and its validation.
+
+``swap_mid_generation`` streams several requests, and once each has at least ``min_tokens``
+tokens it runs ``/pause?mode=keep`` -> ``sync()`` -> ``/resume``. Every request must then finish
+with all its tokens. ``check_continuations`` is the seed's phase 2: greedy generation with the
+new weights from ``prompt + tokens before the pause`` must reproduce the tokens after the pause.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing.streams import StreamingCompletion, greedy_token_ids
+
+PROMPTS = (
+    "The weather today is",
+    "Once upon a time there was",
+    "In reinforcement learning, the policy",
+    "def fibonacci(n):",
+)
+
+
+@dataclass
+class SwapOutcome:
+    streams: list[StreamingCompletion]
+    split: list[int]  # tokens each request had when the pause completed
+    pause_ms: float
+    sync_ms: float
+    resume_ms: float
+    sync_result: Any = None
+    problems: list[str] = field(default_factory=list)
+
+    def before(self, i: int) -> list[int]:
+        return self.streams[i].token_ids[: self.split[i]]
+
+    def after(self, i: int) -> list[int]:
+        return self.streams[i].token_ids[self.split[i] :]
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.num_tokens for s in self.streams)
+
+
+def _settle(
+    streams: Sequence[StreamingCompletion], quiet_s: float = 0.25, timeout_s: float = 10
+) -> list[int]:
+    """Token counts once none has changed for ``quiet_s`` (chunks in transit arrive)."""
+    last = [s.num_tokens for s in streams]
+    quiet_since = time.monotonic()
+    deadline = quiet_since + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = [s.num_tokens for s in streams]
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+    return last
+
+
+def swap_mid_generation(
+    url: str,
+    sync: Callable[[], Any],
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    max_tokens: int = 300,
+    min_tokens: int = 8,
+    clear_cache: bool = True,
+    model: str = "tiny",
+    timeout_s: float = 300,
+    before_pause: Callable[[], Any] | None = None,
+) -> SwapOutcome:
+    """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
+    e.g. the trainer's step, has returned); ``sync()``; resume."""
+    ctl = EngineControlClient(url, timeout_s=timeout_s)
+    streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
+    # Admit the requests together (queued behind a pause), so they decode in lockstep and
+    # none can finish before the others reach min_tokens on a busy machine.
+    ctl.pause("keep")
+    for s in streams:
+        s.start()
+    time.sleep(0.3)
+    ctl.resume()
+    for s in streams:
+        if not s.wait_for_tokens(min_tokens, timeout_s=timeout_s):
+            raise RuntimeError(f"a request never reached {min_tokens} tokens: {s.error}")
+    if before_pause is not None:
+        before_pause()
+    t0 = time.perf_counter()
+    ctl.pause("keep", clear_cache=clear_cache)
+    t1 = time.perf_counter()
+    split = _settle(streams)
+    t2 = time.perf_counter()
+    result = sync()
+    t3 = time.perf_counter()
+    ctl.resume()
+    t4 = time.perf_counter()
+    for s in streams:
+        s.join(timeout_s)
+    out = SwapOutcome(streams, split, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
+    for i, s in enumerate(streams):
+        if not s.ok or s.finish_reason != "length" or s.num_tokens != max_tokens:
+            out.problems.append(
+                f"request {i}: finish={s.finish_reason} tokens={s.num_tokens}"
+                f"/{max_tokens} error={s.error}"
+            )
+        if split[i] >= max_tokens:
+            out.problems.append(f"request {i} finished before the pause (split {split})")
+    return out
+
+
+def check_continuations(
+    reference_url: str, outcome: SwapOutcome, model: str = "tiny"
+) -> list[bool]:
+    """Per request: does greedy on the reference, from prompt + before, give exactly after?"""
+    matches = []
+    for i, s in enumerate(outcome.streams):
+        assert s.prompt_token_ids is not None, "server did not return prompt_token_ids"
+        after = outcome.after(i)
+        ref = greedy_token_ids(
+            reference_url, s.prompt_token_ids + outcome.before(i), len(after), model=model
+        )
+        matches.append(ref == after)
+    return matches

@@ -1,0 +1,244 @@
+"""A stand-in trainer in its own process, driven by tests, examples and benchmarks.
+
+It holds a Hugging Face model (the "policy"), loads new checkpoints into it (the "training
+step"), and pushes its weights into a vLLM server through the public trainer API:
+``vllm_ascend_rl.register()``, ``WeightTransferTrainerFactory.trainer_init(...)``,
+``engine.send_weights()``. Commands are JSON lines on stdin; replies are JSON lines on stdout
+behind a marker, so library logging cannot be mistaken for a reply. It can also misbehave on
+purpose (wrong metadata, dying mid-transfer) to exercise the engine's error paths.
+
+    with TrainerProcess(v2_path) as trainer:
+        trainer.init("hccl", server.url, world_size=2)
+        result = trainer.send(weight_version="v2")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+REPLY = "@@trainer-reply@@ "
+
+
+class TrainerError(RuntimeError):
+    """The trainer process reported an error (its message is the engine's or its own)."""
+
+
+class TrainerProcess:
+    """Client for ``python -m vllm_ascend_rl.testing.trainer`` running in a subprocess."""
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        *,
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (lives with the process)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_ascend_rl.testing.trainer", self.model_path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env={**os.environ, **(env or {})},
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
+        self._replies: list[str] = []
+        self._eof = False
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.request("ping", timeout_s=300)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                with self._cv:
+                    self._replies.append(line[len(REPLY) :])
+                    self._cv.notify_all()
+            else:
+                self.log.write(line.encode())
+        self.proc.wait()  # stdout closed: the process is exiting
+        with self._cv:
+            self._eof = True
+            self._cv.notify_all()
+
+    def request(self, cmd: str, timeout_s: float = 600, **args: Any) -> Any:
+        """Send one command and wait for its reply; TrainerError if it failed."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
+        self.proc.stdin.flush()
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._replies or self._eof, timeout_s):
+                raise TimeoutError(f"trainer command {cmd!r} timed out after {timeout_s}s")
+            if not self._replies:
+                raise TrainerError(
+                    f"trainer process exited with code {self.proc.poll()} during {cmd!r}"
+                )
+            reply = json.loads(self._replies.pop(0))
+        if not reply["ok"]:
+            raise TrainerError(reply["error"])
+        return reply.get("result")
+
+    def init(self, backend: str, url: str, **init_info: Any) -> None:
+        self.request("init", backend=backend, url=url, init_info=init_info)
+
+    def send(self, weight_version: str | None = None, **faults: Any) -> dict:
+        return self.request("send", weight_version=weight_version, faults=faults)
+
+    def load(self, checkpoint: str | os.PathLike) -> None:
+        self.request("load", path=str(checkpoint))
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        return self.proc.wait(timeout_s)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.request("exit", timeout_s=30)
+            except Exception:
+                pass
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        self.log.close()
+
+    def __enter__(self) -> TrainerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------
+# The trainer process itself.
+
+
+def _faulty_source(model, faults: dict):
+    """A ModuleSource that lies about or breaks its weights, for error-path tests."""
+    import torch
+    from vllm.distributed.weight_transfer import ModuleSource
+    from vllm.distributed.weight_transfer.base import ParamMeta
+
+    class FaultySource(ModuleSource):
+        def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in super().__iter__():
+                if faults.get("rename") == name:
+                    name = name + "_unknown"
+                if faults.get("grow") == name:
+                    t = torch.cat([t, t[: faults.get("grow_rows", 64)]])
+                if faults.get("dtype") and faults.get("dtype_param") == name:
+                    t = t.to(getattr(torch, faults["dtype"]))
+                yield name, t
+
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self._pairs()]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            for i, pair in enumerate(self._pairs()):
+                if i == faults.get("die_after_tensors"):
+                    os._exit(17)  # a trainer crash mid-transfer
+                if i == faults.get("stall_after_tensors"):
+                    time.sleep(faults["stall_s"])  # a trainer that hangs mid-transfer
+                yield pair
+
+    return FaultySource(model)
+
+
+def _serve(model_path: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+    from vllm.distributed.weight_transfer import (
+        HTTPVLLMWeightSyncClient,
+        ModuleSource,
+        WeightTransferTrainerFactory,
+    )
+
+    import vllm_ascend_rl
+    from vllm_ascend_rl.testing.tiny_model import load_hf_model
+
+    vllm_ascend_rl.register()
+    model = load_hf_model(model_path)
+    engine = None
+
+    def reply(ok: bool, result: Any = None, error: str | None = None) -> None:
+        sys.stdout.write(REPLY + json.dumps({"ok": ok, "result": result, "error": error}) + "\n")
+        sys.stdout.flush()
+
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd = msg["cmd"]
+        try:
+            if cmd == "ping":
+                reply(True, {"pid": os.getpid()})
+            elif cmd == "exit":
+                if engine is not None:
+                    engine.shutdown()
+                reply(True)
+                return
+            elif cmd == "load":
+                with torch.no_grad():
+                    model.load_state_dict(
+                        load_file(os.path.join(msg["path"], "model.safetensors")), strict=True
+                    )
+                reply(True)
+            elif cmd == "init":
+                if engine is not None:
+                    engine.shutdown()
+                    engine = None
+                info = _init_info(msg["backend"], msg["init_info"])
+                engine = WeightTransferTrainerFactory.trainer_init(
+                    info,
+                    client=HTTPVLLMWeightSyncClient(msg["url"], timeout=600),
+                    source=ModuleSource(model),
+                )
+                reply(True)
+            elif cmd == "send":
+                if engine is None:
+                    raise RuntimeError("send before init")
+                faults = msg.get("faults") or {}
+                saved = engine.source
+                if faults:
+                    engine.source = _faulty_source(model, faults)
+                try:
+                    r = engine.send_weights(weight_version=msg.get("weight_version"))
+                finally:
+                    engine.source = saved
+                reply(
+                    True,
+                    {
+                        "bytes": r.bytes,
+                        "seconds": r.seconds,
+                        "gbps": r.gbps,
+                        "num_tensors": r.num_tensors,
+                        "num_buckets": r.num_buckets,
+                    },
+                )
+            else:
+                raise ValueError(f"unknown command {cmd!r}")
+        except Exception as e:
+            reply(False, error=f"{type(e).__name__}: {e}")
+
+
+def _init_info(backend: str, fields: dict):
+    if backend == "hccl":
+        from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+
+        return HCCLTrainerInitInfo(rank=0, **fields)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

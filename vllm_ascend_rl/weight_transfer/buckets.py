@@ -1,0 +1,162 @@
+"""Bucket planning and packing shared by the HCCL and NPU-IPC weight-transfer engines.
+
+Both sides of a transfer compute the same plan from the same ``(name, dtype, shape)`` list and
+the bucket size agreed at init, so no chunk boundary ever travels on the wire and the two sides
+cannot cut the byte stream differently. Tensors are packed in metadata order; each starts at an
+aligned offset so it can be viewed in place as its dtype; a tensor larger than a bucket goes
+alone, in a bucket of its own size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_BYTES = 64  # every tensor starts at a multiple of this inside its bucket
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` or ``"torch.bfloat16"`` -> ``torch.bfloat16``; ValueError otherwise."""
+    attr = name.removeprefix("torch.")
+    dtype = getattr(torch, attr, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Tensors sent in one collective (or one staging copy); ``offsets[i]`` is in bytes."""
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+    offsets: tuple[int, ...]
+    nbytes: int
+    oversized: bool = False  # one tensor larger than a bucket: sent from/into itself
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def plan_buckets(
+    specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int | None = None
+) -> list[Bucket]:
+    """Greedy, order-preserving packing of ``specs`` into buckets of ``bucket_bytes``.
+
+    A tensor larger than ``alone_bytes`` (default: the bucket size) gets a bucket of its own,
+    marked ``oversized``: a transport that can send it straight from its memory skips the
+    staging copy.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    alone = bucket_bytes if alone_bytes is None else min(alone_bytes, bucket_bytes)
+    buckets: list[Bucket] = []
+    cur: list[TensorSpec] = []
+    offs: list[int] = []
+    end = 0
+
+    def flush() -> None:
+        nonlocal cur, offs, end
+        if cur:
+            buckets.append(Bucket(len(buckets), tuple(cur), tuple(offs), end))
+        cur, offs, end = [], [], 0
+
+    for spec in specs:
+        if spec.nbytes > alone:
+            flush()
+            buckets.append(Bucket(len(buckets), (spec,), (0,), spec.nbytes, oversized=True))
+            continue
+        start = _align(end)
+        if cur and start + spec.nbytes > bucket_bytes:
+            flush()
+            start = 0
+        cur.append(spec)
+        offs.append(start)
+        end = start + spec.nbytes
+    flush()
+    return buckets
+
+
+def total_bytes(specs: Iterable[TensorSpec]) -> int:
+    return sum(s.nbytes for s in specs)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of ``t`` (copied only if ``t`` is not contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def pack_into(
+    buffer: torch.Tensor,
+    bucket: Bucket,
+    tensors: Sequence[torch.Tensor],
+    copy_bytes: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Copy ``tensors`` (in ``bucket.specs`` order) into the uint8 ``buffer`` at their offsets
+    with the device's ``copy_bytes(dst, src)``."""
+    for spec, off, t in zip(bucket.specs, bucket.offsets, tensors, strict=True):
+        copy_bytes(buffer[off : off + spec.nbytes], as_bytes(t))
+
+
+def unpack_views(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` views of a received uint8 ``buffer``; they alias the buffer."""
+    return [
+        (spec.name, buffer[off : off + spec.nbytes].view(spec.dtype).view(spec.shape))
+        for spec, off in zip(bucket.specs, bucket.offsets, strict=True)
+    ]
+
+
+def iter_bucket_tensors(
+    buckets: Sequence[Bucket], pairs: Iterator[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[Bucket, list[torch.Tensor]]]:
+    """Group a ``(name, tensor)`` stream by bucket, checking it follows the plan exactly."""
+    for bucket in buckets:
+        tensors = []
+        for spec in bucket.specs:
+            try:
+                name, t = next(pairs)
+            except StopIteration:
+                raise ValueError(
+                    f"weight source ended early: expected {spec.name!r} next"
+                ) from None
+            check_tensor(spec, name, t)
+            tensors.append(t)
+        yield bucket, tensors
+    extra = next(pairs, None)
+    if extra is not None:
+        raise ValueError(f"weight source yielded {extra[0]!r} beyond its declared metadata")
+
+
+def check_tensor(spec: TensorSpec, name: str, t: torch.Tensor) -> None:
+    if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+        raise ValueError(
+            f"weight source disagrees with its metadata: declared {spec.name!r} "
+            f"{dtype_name(spec.dtype)}{list(spec.shape)}, got {name!r} "
+            f"{dtype_name(t.dtype)}{list(t.shape)}"
+        )

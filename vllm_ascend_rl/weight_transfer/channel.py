@@ -1,0 +1,115 @@
+"""The trainer-to-engine broadcast group, with deadlines and an agreement step.
+
+A refusal must reach both sides: if one side raised before a collective, the other would wait
+in it until the backend's timeout. So before any payload, every rank contributes to one
+all-reduce (MIN) of ``[ok, signature, -signature]``: all ranks learn whether everyone is ready
+and whether everyone computed the same signature of what is about to be sent. After any failed
+or timed-out collective the group is unusable (the byte stream is out of step) and is marked
+broken; the caller must open a new one.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
+
+from vllm_ascend_rl.device import Device
+
+Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed)
+
+
+class ChannelError(RuntimeError):
+    """A collective failed or timed out; the channel must be re-initialized."""
+
+
+def signature(*parts: object) -> int:
+    """A 30-bit digest of ``parts``, small enough to negate inside an int32 all-reduce."""
+    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+
+
+class BroadcastChannel:
+    """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
+
+    def __init__(self, pg, device: Device, rank: int, world_size: int, timeout_s: float):
+        self.pg, self.device = pg, device
+        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.broken: str | None = None
+
+    @classmethod
+    def open(
+        cls, device: Device, host: str, port: int, rank: int, world_size: int, timeout_s: float
+    ) -> BroadcastChannel:
+        if not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank {rank} is outside world_size {world_size}: the world is "
+                "the trainer plus every engine worker"
+            )
+        try:
+            pg = device.new_process_group(host, port, rank, world_size, timeout_s)
+        except Exception as e:
+            raise ChannelError(
+                f"rendezvous at {host}:{port} as rank {rank} of {world_size} failed within "
+                f"{timeout_s:.0f}s ({type(e).__name__}: {e}). Check master_address/"
+                "master_port and that world_size counts the trainer plus every engine "
+                "worker."
+            ) from e
+        return cls(pg, device, rank, world_size, timeout_s)
+
+    # -- collectives -----------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor):
+        """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
+        self._check()
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        return self.pg.broadcast([tensor], opts)
+
+    def wait(self, work, what: str, poll: Poll | None = None) -> None:
+        """Wait for ``work`` within ``timeout_s``, calling ``poll`` while waiting."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        try:
+            while not work.is_completed():
+                if poll is not None:
+                    poll()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no progress within timeout_s={self.timeout_s:.0f}s")
+                time.sleep(pause)
+                pause = min(0.002, pause + 0.0001)
+            work.wait()
+        except Exception as e:
+            self.broken = f"{what} failed: {type(e).__name__}: {e}"
+            raise ChannelError(self.broken) from e
+
+    def agree(self, ok: bool, sig: int, what: str, poll: Poll | None = None) -> tuple[bool, bool]:
+        """All-reduce ``ok`` and ``sig``: (everyone ok, everyone has the same signature)."""
+        self._check()
+        t = torch.tensor([int(ok), sig, -sig], dtype=torch.int32, device=self.device.torch_device())
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MIN
+        self.wait(self.pg.allreduce([t], opts), what, poll)
+        all_ok, lo, neg_hi = (int(v) for v in t.cpu())
+        return bool(all_ok), lo == -neg_hi
+
+    def _check(self) -> None:
+        if self.broken:
+            raise ChannelError(
+                f"weight-transfer channel is broken ({self.broken}); call "
+                "init_weight_transfer_engine again"
+            )
+
+    def close(self) -> None:
+        pg, self.pg = self.pg, None
+        self.broken = self.broken or "closed"
+        if pg is not None:
+            try:
+                from vllm.distributed.utils import (
+                    stateless_destroy_torch_distributed_process_group,
+                )
+
+                stateless_destroy_torch_distributed_process_group(pg)
+            except Exception:  # already torn down by a failed peer
+                pass

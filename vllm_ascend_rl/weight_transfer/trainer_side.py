@@ -1,0 +1,153 @@
+"""Trainer-side pieces shared by the HCCL and NPU-IPC engines.
+
+The control plane is vLLM's ``VLLMWeightSyncClient`` (usually ``HTTPVLLMWeightSyncClient``).
+Calls that block while the data plane runs go to daemon threads (a stuck HTTP call must never
+keep the trainer process alive), and HTTP errors are re-raised with the server's own message,
+which ``raise_for_status`` would drop.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync failed; the message says which side failed and why."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """What one ``send_weights()`` moved: bytes, wall seconds, and throughput."""
+
+    bytes: int
+    seconds: float  # start_weight_update .. finish_weight_update returned
+    num_tensors: int
+    num_buckets: int
+    weight_version: str | None = None
+    transfer_seconds: float = 0.0  # data plane only: first byte sent .. last byte landed
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (1e9 bytes) per second, end to end."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def server_message(e: BaseException) -> str:
+    """The most useful text of an exception from a weight-sync client call."""
+    response = getattr(e, "response", None)
+    if response is not None:
+        from vllm_ascend_rl.client import error_message
+
+        return f"HTTP {response.status_code}: {error_message(response)}"
+    return f"{type(e).__name__}: {e}"
+
+
+def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a client method; raise WeightSyncError with the engine's message on failure."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise WeightSyncError(f"{what} failed: {server_message(e)}") from e
+
+
+class BackgroundCall:
+    """Run a blocking client call in a daemon thread while the data plane runs."""
+
+    def __init__(self, what: str, fn: Callable[..., Any], *args: Any) -> None:
+        self.what = what
+        self._result: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args), daemon=True, name=f"weight-sync-{what}"
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as e:  # handed to the caller thread
+            self.error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the call to end; True if it has."""
+        return self._done.wait(timeout_s)
+
+    def raise_if_failed(self) -> None:
+        """Poll hook: raise at once if the call already failed."""
+        if self._done.is_set() and self.error is not None:
+            raise WeightSyncError(f"{self.what} failed: {server_message(self.error)}")
+
+    def result(self, timeout_s: float) -> Any:
+        if not self._done.wait(timeout_s):
+            raise WeightSyncError(f"{self.what} did not return within {timeout_s:.0f}s")
+        self.raise_if_failed()
+        return self._result
+
+    def failure(self, timeout_s: float) -> str | None:
+        """Wait for the call to end; its error message, or None if it succeeded."""
+        self._done.wait(timeout_s)
+        if not self._done.is_set():
+            return f"{self.what} did not return within {timeout_s:.0f}s"
+        return None if self.error is None else server_message(self.error)
+
+
+def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> None:
+    """With an HTTP client, compare ``world_size`` with the server's before any rendezvous."""
+    base_url = getattr(client, "base_url", None)
+    if not base_url:
+        return
+    import requests
+
+    try:
+        r = requests.get(
+            f"{base_url}/get_world_size", params={"include_dp": "true"}, timeout=timeout_s
+        )
+        r.raise_for_status()
+        workers = int(r.json()["world_size"])
+    except Exception as e:  # the init call will report an unreachable server itself
+        logger.warning("could not read the engine's world size from %s: %s", base_url, e)
+        return
+    if world_size != workers + 1:
+        raise ValueError(
+            f"world_size={world_size} but the engine at {base_url} has {workers} "
+            f"worker(s): world_size must be {workers + 1} (trainer + workers)"
+        )
+
+
+class Progress:
+    """A byte progress bar for long transfers; silent when stderr is not a terminal."""
+
+    def __init__(self, total: int, enabled: bool | None, desc: str) -> None:
+        show = enabled if enabled is not None else (total >= 512 << 20 and sys.stderr.isatty())
+        self.bar = None
+        if show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+        self.start = time.perf_counter()
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def close(self) -> float:
+        """Close the bar (idempotent); seconds since it was created."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        return time.perf_counter() - self.start

@@ -1,0 +1,157 @@
+"""Check a weight update's metadata against the model before any byte is loaded.
+
+vLLM's weight loaders narrow an oversized tensor into its slot without complaint, so an update
+with a wrong shape returns success and serves garbage. Every update is therefore compared with
+the model's checkpoint-format parameters first: names, shapes and dtypes. The expected set comes
+from the checkpoint's safetensors headers (no tensor data is read) or, without safetensors
+files, from the Hugging Face architecture instantiated on the meta device.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from vllm.logger import init_logger
+
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_name
+
+logger = init_logger(__name__)
+
+
+class WeightUpdateRefused(ValueError):
+    """The update's metadata does not fit the model; nothing was loaded."""
+
+
+@dataclass(frozen=True)
+class ExpectedParam:
+    shape: tuple[int, ...]
+    dtypes: frozenset[torch.dtype]  # wire dtypes accepted for this parameter
+    required: bool = True
+
+
+def _safetensors_params(model_dir: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = f.get_slice(name)
+                out[name] = (_dtype_from_safetensors(sl.get_dtype()), tuple(sl.get_shape()))
+    return out
+
+
+_ST_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _dtype_from_safetensors(name: str) -> torch.dtype:
+    return _ST_DTYPES.get(name, torch.uint8)
+
+
+def _meta_model_params(hf_config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
+
+
+def expected_params(model_config) -> dict[str, ExpectedParam] | None:
+    """Checkpoint-format parameters of the served model, or None if they cannot be known."""
+    source = model_config.model
+    params: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    if os.path.isdir(source):
+        params = _safetensors_params(source)
+    if not params:
+        try:
+            params = _meta_model_params(model_config.hf_config)
+        except Exception as e:  # unknown architecture: validate what we can
+            logger.warning(
+                "cannot derive checkpoint parameters of %s (%s); weight updates "
+                "are checked for well-formed metadata only",
+                source,
+                e,
+            )
+            return None
+    served = model_config.dtype
+    tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+    out = {}
+    for name, (dtype, shape) in params.items():
+        accepted = {dtype, served} if dtype.is_floating_point else {dtype}
+        optional = tied and name.endswith("lm_head.weight")
+        out[name] = ExpectedParam(shape, frozenset(accepted), required=not optional)
+    return out
+
+
+def parse_specs(
+    names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
+) -> list[TensorSpec]:
+    """Wire metadata -> specs; WeightUpdateRefused on malformed input."""
+    from vllm_ascend_rl.weight_transfer.buckets import dtype_from_name
+
+    if not (len(names) == len(dtype_names) == len(shapes)):
+        raise WeightUpdateRefused(
+            f"names, dtype_names and shapes differ in length: {len(names)}, "
+            f"{len(dtype_names)}, {len(shapes)}"
+        )
+    specs = []
+    for name, dn, shape in zip(names, dtype_names, shapes, strict=True):
+        try:
+            dtype = dtype_from_name(dn)
+        except ValueError:
+            raise WeightUpdateRefused(f"parameter {name!r}: unknown dtype {dn!r}") from None
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise WeightUpdateRefused(f"parameter {name!r}: malformed shape {shape!r}")
+        specs.append(TensorSpec(name, dtype, tuple(shape)))
+    return specs
+
+
+def validate_update(specs: Sequence[TensorSpec], expected: dict[str, ExpectedParam] | None) -> None:
+    """Raise WeightUpdateRefused naming the first parameter that does not fit the model."""
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise WeightUpdateRefused(f"parameter {spec.name!r} is sent twice")
+        seen.add(spec.name)
+        if expected is None:
+            continue
+        want = expected.get(spec.name)
+        if want is None:
+            raise WeightUpdateRefused(
+                f"unknown parameter {spec.name!r}: the model has no such checkpoint tensor"
+            )
+        if spec.shape != want.shape:
+            raise WeightUpdateRefused(
+                f"parameter {spec.name!r}: shape {list(spec.shape)} "
+                f"does not match the model's {list(want.shape)}"
+            )
+        if spec.dtype not in want.dtypes:
+            ok = " or ".join(sorted(dtype_name(d) for d in want.dtypes))
+            raise WeightUpdateRefused(
+                f"parameter {spec.name!r}: dtype {dtype_name(spec.dtype)}"
+                f", expected {ok} (cast before sending)"
+            )
+    if expected is not None:
+        missing = [n for n, p in expected.items() if p.required and n not in seen]
+        if missing:
+            raise WeightUpdateRefused(
+                f"parameter {missing[0]!r} is missing ({len(missing)} missing in all): "
+                "updates must carry every checkpoint tensor"
+            )
