@@ -81,7 +81,10 @@ class BroadcastChannel:
                 pause = min(0.002, pause + 0.0001)
             work.wait()
         except Exception as e:
-            self.broken = f"{what} failed: {type(e).__name__}: {e}"
+            detail = f"{type(e).__name__}: {e}"
+            if "Timed out" in str(e) and "no progress" not in detail:  # the backend's own timer
+                detail = f"no progress within timeout_s={self.timeout_s:.0f}s ({detail})"
+            self.broken = f"{what} failed: {detail}"
             raise ChannelError(self.broken) from e
 
     def agree(self, ok: bool, sig: int, what: str, poll: Poll | None = None) -> tuple[bool, bool]:
