@@ -1,0 +1,113 @@
+"""The broadcast channel on real gloo groups: agreement, timeouts, and the broken state.
+
+Both ranks run as threads of this process, each with its own group over a local TCP store.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.testing import free_port
+from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError, signature
+
+
+def run_ranks(world: int, body, timeout_s: float = 5.0) -> list:
+    """Open a channel per rank in threads, run ``body(channel)`` on each; return results."""
+    port = free_port()
+    results: list = [None] * world
+
+    def rank_main(rank: int) -> None:
+        try:
+            ch = BroadcastChannel.open(get_device("cpu"), "127.0.0.1", port, rank, world, timeout_s)
+            try:
+                results[rank] = body(ch)
+            finally:
+                ch.close()
+        except Exception as e:
+            results[rank] = e
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def test_broadcast_reaches_every_rank():
+    def body(ch):
+        t = (
+            torch.arange(10, dtype=torch.int64)
+            if ch.rank == 0
+            else torch.zeros(10, dtype=torch.int64)
+        )
+        ch.wait(ch.broadcast(t), "payload")
+        return t.tolist()
+
+    assert run_ranks(3, body) == [list(range(10))] * 3
+
+
+@pytest.mark.parametrize(
+    "oks, sigs, expect",
+    [
+        ([True, True], [7, 7], (True, True)),
+        ([True, False], [7, 7], (False, True)),  # a refusal reaches both sides
+        ([True, True], [7, 9], (True, False)),  # disagreeing wire parameters are detected
+    ],
+)
+def test_agree_combines_ok_and_signature(oks, sigs, expect):
+    results = run_ranks(2, lambda ch: ch.agree(oks[ch.rank], sigs[ch.rank], "test"))
+    assert results == [expect, expect]
+
+
+def test_a_missing_peer_times_out_and_breaks_the_channel():
+    def body(ch):
+        if ch.rank == 1:
+            time.sleep(4)  # alive, but never joins the collective
+            return "absent"
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError, match="no progress within timeout_s=2s"):
+            ch.agree(True, 1, "lonely handshake")
+        elapsed = time.monotonic() - t0
+        with pytest.raises(ChannelError, match="broken"):
+            ch.broadcast(torch.zeros(1))
+        return elapsed
+
+    elapsed, absent = run_ranks(2, body, timeout_s=2)
+    assert absent == "absent"
+    assert 1.5 < elapsed < 10
+
+
+def test_poll_abandons_a_wait():
+    def body(ch):
+        if ch.rank == 1:
+            return None
+
+        def poll():
+            raise RuntimeError("the HTTP side failed")
+
+        with pytest.raises(ChannelError, match="the HTTP side failed"):
+            ch.agree(True, 1, "handshake", poll)
+        return "abandoned"
+
+    assert run_ranks(2, body, timeout_s=30)[0] == "abandoned"
+
+
+def test_rank_outside_world_and_unreachable_master():
+    with pytest.raises(ValueError, match="outside world_size"):
+        BroadcastChannel.open(get_device("cpu"), "127.0.0.1", free_port(), 2, 2, 1)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match=r"rendezvous .* failed within 1s"):
+        BroadcastChannel.open(get_device("cpu"), "127.0.0.1", free_port(), 1, 2, 1)
+    assert time.monotonic() - t0 < 30
+
+
+def test_signature_is_stable_and_fits_an_int32_negation():
+    assert signature(1, True, 256) == signature(1, True, 256)
+    assert signature(1, True, 256) != signature(1, False, 256)
+    assert 0 <= signature("x" * 1000) < 2**30
