@@ -65,24 +65,17 @@ def raw_broadcast_s(engine, url: str, buf: torch.Tensor) -> float:
 
 def transport_s(engine, url: str) -> float:
     """Trainer-side seconds of the data plane of one update whose receiver does not load."""
-    from dataclasses import asdict
-
     from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
-    from vllm_ascend_rl.weight_transfer.hccl import HCCLWeightTransferUpdateInfo, _plan
     from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress
 
     specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in engine.source.metadata()]
-    info = json.dumps(asdict(HCCLWeightTransferUpdateInfo.from_specs(specs)))
-    plan = _plan(specs, engine.init_info.packed, engine.init_info.packed_buffer_size_bytes)
-    receive = BackgroundCall(
-        "discard",
-        requests.post,
-        url + "/collective_rpc",
-        None,
-        {"method": "bench_receive_discard", "kwargs": {"update_info": info}},
-    )
+    plan = engine._plan(specs)
+    info = json.dumps(engine._payload(specs, plan))
+    receive = BackgroundCall("discard", requests.post, url + "/collective_rpc", None, {
+        "method": "bench_receive_discard", "kwargs": {"update_info": info}})
+    assert engine._agree(specs, receive)
     bar = Progress(0, False, "")
-    engine._broadcast(engine.channel, plan, receive, bar)
+    engine._send(plan, receive, bar)
     seconds = bar.close()
     assert receive.result(600).status_code == 200
     return seconds

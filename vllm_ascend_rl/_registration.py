@@ -56,6 +56,7 @@ class Component:
 
 
 _HCCL = "vllm_ascend_rl.weight_transfer.hccl"
+_IPC = "vllm_ascend_rl.weight_transfer.npu_ipc"
 
 # What the plugin registers.
 COMPONENTS: tuple[Component, ...] = (
@@ -66,6 +67,14 @@ COMPONENTS: tuple[Component, ...] = (
         _HCCL,
         "HCCLTrainerWeightTransferEngine",
         init_info=f"{_HCCL}:HCCLTrainerInitInfo",
+    ),
+    Component("weight_transfer_engine", "npu_ipc", _IPC, "NPUIPCWeightTransferEngine"),
+    Component(
+        "weight_transfer_trainer",
+        "npu_ipc",
+        _IPC,
+        "NPUIPCTrainerWeightTransferEngine",
+        init_info=f"{_IPC}:NPUIPCTrainerInitInfo",
     ),
 )
 

@@ -11,11 +11,76 @@ import os
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
     from torch.distributed import ProcessGroup
+
+
+class IpcHandleError(ValueError):
+    """An IPC handle is malformed, points nowhere, or belongs to another chip or host."""
+
+
+class ExportedBuffer:
+    """A staging buffer the trainer owns and shares; ``handle`` is plain JSON."""
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        handle: dict[str, Any],
+        unlink: Callable[[], None],
+        release: Callable[[], None],
+    ) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self.handle = handle
+        self.unlink = unlink  # unreachable for new importers; existing mappings stay valid
+        self._release = release
+
+    def close(self) -> None:
+        self.tensor = None  # drop our view first: a live view pins the mapping
+        self._release()
+
+
+class ImportedBuffer:
+    """A trainer's staging buffer mapped into this process."""
+
+    def __init__(self, tensor: torch.Tensor, release: Callable[[], None]) -> None:
+        self.tensor: torch.Tensor | None = tensor
+        self._release = release
+
+    def close(self) -> None:
+        self.tensor = None
+        self._release()
+
+
+def host_identity() -> dict[str, str]:
+    """This host, as two processes on it must agree: hostname and kernel boot id."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return {"host": socket.gethostname(), "boot_id": boot}
+
+
+def check_same_location(theirs: Any, ours: dict[str, str]) -> None:
+    if not isinstance(theirs, dict):
+        raise IpcHandleError(f"IPC handle has no valid location: {theirs!r}")
+    if theirs != ours:
+        raise IpcHandleError(
+            f"trainer and engine are not on the same chip: trainer on {_where(theirs)}, "
+            f"engine on {_where(ours)}. NPU IPC needs them colocated; use the hccl backend "
+            "across chips or hosts."
+        )
+
+
+def _where(loc: dict) -> str:
+    return f"chip {loc.get('chip', '?')} of host {loc.get('host', '?')}"
 
 
 class Device(ABC):
@@ -34,6 +99,18 @@ class Device(ABC):
         """Copy the flat uint8 tensor ``src`` into ``dst`` (same size), asynchronously where the
         device queues work; :meth:`synchronize` waits for it."""
         dst.copy_(src, non_blocking=True)
+
+    def location(self) -> dict[str, str]:
+        """Where this process's device is: host identity plus the physical chip."""
+        return {**host_identity(), "chip": self.kind}
+
+    @abstractmethod
+    def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
+        """A uint8 staging buffer another process on the same chip can map."""
+
+    @abstractmethod
+    def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
+        """Map a buffer exported by :meth:`create_ipc_buffer`; IpcHandleError if impossible."""
 
     def new_process_group(
         self, host: str, port: int, rank: int, world_size: int, timeout_s: float
@@ -81,4 +158,12 @@ def device_for(torch_device: torch.device | str) -> Device:
     return get_device(str(torch_device).split(":")[0])
 
 
-__all__ = ["Device", "current_device", "device_for", "get_device"]
+__all__ = [
+    "Device",
+    "ExportedBuffer",
+    "ImportedBuffer",
+    "IpcHandleError",
+    "current_device",
+    "device_for",
+    "get_device",
+]

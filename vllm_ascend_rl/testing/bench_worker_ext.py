@@ -1,6 +1,6 @@
-"""Worker extension for benchmarks (``--worker-extension-cls``): transfers on the HCCL engine's
-own channel that skip loading, so a benchmark can separate the transport from vLLM's reload.
-Reached through ``POST /collective_rpc`` (arguments travel as strings)."""
+"""Worker extension for benchmarks (``--worker-extension-cls``): transfers on the weight-
+transfer engine's own connection that skip loading, so a benchmark can separate the transport
+from vLLM's layerwise reload. Reached through ``POST /collective_rpc`` (string arguments)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ class WeightSyncBenchExtension:
         return time.perf_counter() - t0
 
     def bench_receive_discard(self, update_info: str) -> float:
-        """Receive a whole update exactly as ``receive_weights`` does, minus the loading."""
-        from vllm_ascend_rl.weight_transfer.hccl import _plan
+        """Run one update's handshake and receive every bucket, without loading; seconds."""
         from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
         engine = self.weight_transfer_engine
-        info = json.loads(update_info)
-        specs = parse_specs(info["names"], info["dtype_names"], info["shapes"])
-        plan = _plan(specs, engine.init_info.packed, engine.init_info.packed_buffer_size_bytes)
+        info = engine.parse_update_info(json.loads(update_info))
+        specs = parse_specs(info.names, info.dtype_names, info.shapes)
         t0 = time.perf_counter()
-        for _ in engine._receive(engine.channel, plan):
+        reason = engine._agree(None, specs, info)
+        assert reason is None, reason
+        for _ in engine._buckets(engine._plan(specs), info):
             pass
         return time.perf_counter() - t0

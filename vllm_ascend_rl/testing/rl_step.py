@@ -73,34 +73,48 @@ def swap_mid_generation(
     model: str = "tiny",
     timeout_s: float = 300,
     before_pause: Callable[[], Any] | None = None,
+    attempts: int = 3,
 ) -> SwapOutcome:
     """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
-    e.g. the trainer's step, has returned); ``sync()``; resume."""
+    e.g. the trainer's step, has returned); ``sync()``; resume.
+
+    On a loaded machine the client can see tokens long after the server produced them, so a
+    pause may land after the requests finished. Then nothing is synced: the server resumes and
+    the round is retried with twice the tokens, up to ``attempts`` times.
+    """
     ctl = EngineControlClient(url, timeout_s=timeout_s)
-    streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
-    # Admit the requests together (queued behind a pause), so they decode in lockstep and
-    # none can finish before the others reach min_tokens on a busy machine.
-    ctl.pause("keep")
-    for s in streams:
-        s.start()
-    time.sleep(0.3)
-    ctl.resume()
-    for s in streams:
-        if not s.wait_for_tokens(min_tokens, timeout_s=timeout_s):
-            raise RuntimeError(f"a request never reached {min_tokens} tokens: {s.error}")
-    if before_pause is not None:
-        before_pause()
-    t0 = time.perf_counter()
-    ctl.pause("keep", clear_cache=clear_cache)
-    t1 = time.perf_counter()
-    split = _settle(streams)
-    t2 = time.perf_counter()
-    result = sync()
-    t3 = time.perf_counter()
-    ctl.resume()
-    t4 = time.perf_counter()
-    for s in streams:
-        s.join(timeout_s)
+    for attempt in range(attempts):
+        streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
+        # Admit the requests together (queued behind a pause): they decode in lockstep.
+        ctl.pause("keep")
+        for s in streams:
+            s.start()
+        time.sleep(0.3)
+        ctl.resume()
+        for s in streams:
+            if not s.wait_for_tokens(min_tokens, timeout_s=timeout_s):
+                raise RuntimeError(f"a request never reached {min_tokens} tokens: {s.error}")
+        if before_pause is not None:
+            before_pause()
+            before_pause = None
+        t0 = time.perf_counter()
+        ctl.pause("keep", clear_cache=clear_cache)
+        t1 = time.perf_counter()
+        split = _settle(streams)
+        if max(split) >= max_tokens and attempt + 1 < attempts:
+            ctl.resume()  # too late: a request already finished; retry, longer
+            for s in streams:
+                s.join(timeout_s)
+            max_tokens *= 2
+            continue
+        t2 = time.perf_counter()
+        result = sync()
+        t3 = time.perf_counter()
+        ctl.resume()
+        t4 = time.perf_counter()
+        for s in streams:
+            s.join(timeout_s)
+        break
     out = SwapOutcome(streams, split, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
     for i, s in enumerate(streams):
         if not s.ok or s.finish_reason != "length" or s.num_tokens != max_tokens:

@@ -157,6 +157,18 @@ def _faulty_source(model, faults: dict):
     return FaultySource(model)
 
 
+def _patch_payload(engine, patch: dict) -> None:
+    """Overwrite fields of the next update_weights payload (e.g. a corrupt IPC handle)."""
+    original = engine._payload
+
+    def patched(specs, plan):
+        payload = original(specs, plan)
+        payload.update(patch)
+        return payload
+
+    engine._payload = patched
+
+
 def _serve(model_path: str) -> None:
     import torch
     from safetensors.torch import load_file
@@ -208,14 +220,18 @@ def _serve(model_path: str) -> None:
             elif cmd == "send":
                 if engine is None:
                     raise RuntimeError("send before init")
-                faults = msg.get("faults") or {}
+                faults = dict(msg.get("faults") or {})
+                payload_patch = faults.pop("payload", None)
                 saved = engine.source
                 if faults:
                     engine.source = _faulty_source(model, faults)
+                if payload_patch:
+                    _patch_payload(engine, payload_patch)
                 try:
                     r = engine.send_weights(weight_version=msg.get("weight_version"))
                 finally:
                     engine.source = saved
+                    engine.__dict__.pop("_payload", None)
                 reply(
                     True,
                     {
@@ -237,6 +253,10 @@ def _init_info(backend: str, fields: dict):
         from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
         return HCCLTrainerInitInfo(rank=0, **fields)
+    if backend == "npu_ipc":
+        from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
+
+        return NPUIPCTrainerInitInfo(rank=0, **fields)
     raise ValueError(f"unknown backend {backend!r}")
 
 

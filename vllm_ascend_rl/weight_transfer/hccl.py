@@ -18,7 +18,6 @@ Trainer side::
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Self
@@ -26,69 +25,42 @@ from typing import ClassVar, Self
 import torch
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
-    TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
     WeightSource,
-    WeightTransferEngine,
     WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
 )
 from vllm.logger import init_logger
 
 from vllm_ascend_rl._registration import registered_name
-from vllm_ascend_rl.device import Device, current_device, device_for
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
     as_bytes,
-    dtype_name,
     iter_bucket_tensors,
     pack_into,
     plan_buckets,
-    total_bytes,
-    unpack_views,
 )
-from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError, signature
-from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
+from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
+from vllm_ascend_rl.weight_transfer.engine_base import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_TIMEOUT_S,
+    PROTOCOL_VERSION,
+    CheckpointEngine,
+    CheckpointUpdateInfo,
+    check_wire,
+    update_signature,
+    wire_signature,
+)
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
+    CheckpointTrainer,
     Progress,
-    SyncResult,
     WeightSyncError,
-    call,
     check_world_size,
-)
-from vllm_ascend_rl.weight_transfer.validation import (
-    WeightUpdateRefused,
-    expected_params,
-    parse_specs,
-    validate_update,
 )
 
 logger = init_logger(__name__)
-
-PROTOCOL_VERSION = 1
-DEFAULT_BUCKET_BYTES = 256 << 20
-DEFAULT_NUM_BUFFERS = 2
-DEFAULT_TIMEOUT_S = 120.0
-
-
-def _check_wire(packed: bool, bucket: int, buffers: int, timeout_s: float) -> None:
-    if not isinstance(packed, bool):
-        raise ValueError(f"packed must be a bool, got {packed!r}")
-    if not isinstance(bucket, int) or bucket <= 0:
-        raise ValueError(f"packed_buffer_size_bytes must be a positive int, got {bucket!r}")
-    if not isinstance(buffers, int) or buffers < 1:
-        raise ValueError(f"packed_num_buffers must be >= 1, got {buffers!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-
-
-def _wire_signature(info) -> int:
-    return signature(
-        PROTOCOL_VERSION, info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers
-    )
-
 
 DIRECT_BYTES = 8 << 20  # tensors above this skip the staging copy even when packed
 
@@ -99,10 +71,6 @@ def _plan(specs: list[TensorSpec], packed: bool, bucket_bytes: int) -> list[Buck
     # a staging copy would only add a memcpy to a transfer already long enough to amortize
     # the per-collective cost.
     return plan_buckets(specs, bucket_bytes if packed else 1, alone_bytes=DIRECT_BYTES)
-
-
-def _update_signature(specs: list[TensorSpec]) -> int:
-    return signature([(s.name, dtype_name(s.dtype), s.shape) for s in specs])
 
 
 @dataclass(kw_only=True)
@@ -120,7 +88,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        _check_wire(
+        check_wire(
             self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
         )
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
@@ -150,31 +118,17 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        _check_wire(
+        check_wire(
             self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
         )
 
 
 @dataclass
-class HCCLWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """One update's metadata, in the order the trainer will send the tensors."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-
-    @classmethod
-    def from_specs(cls, specs: list[TensorSpec]) -> HCCLWeightTransferUpdateInfo:
-        return cls(
-            [s.name for s in specs],
-            [dtype_name(s.dtype) for s in specs],
-            [list(s.shape) for s in specs],
-        )
+class HCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
+    """One update's metadata, in the order the trainer broadcasts the tensors."""
 
 
-class HCCLWeightTransferEngine(
-    WeightTransferEngine[HCCLWeightTransferInitInfo, HCCLWeightTransferUpdateInfo]
-):
+class HCCLWeightTransferEngine(CheckpointEngine):
     """Engine (worker) side. Loads through vLLM's layerwise reload; refuses bad updates whole."""
 
     init_info_cls = HCCLWeightTransferInitInfo
@@ -182,20 +136,10 @@ class HCCLWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.hw: Device = device_for(device)
         self.channel: BroadcastChannel | None = None
-        self.init_info: HCCLWeightTransferInitInfo | None = None
-        self.reload = LayerwiseReload()
-        self._expected = None
-        self._expected_loaded = False
 
-    # -- lifecycle -------------------------------------------------------------------
     def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
-        if self.reload.active:
-            raise RuntimeError(
-                "cannot re-initialize weight transfer during a weight update; finish it first"
-            )
-        self._close_channel()
+        self._before_init()
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
         channel = BroadcastChannel.open(
@@ -208,7 +152,7 @@ class HCCLWeightTransferEngine(
         )
         ok = init_info.protocol_version == PROTOCOL_VERSION
         try:
-            all_ok, same = channel.agree(ok, _wire_signature(init_info), "init handshake")
+            all_ok, same = channel.agree(ok, wire_signature(init_info), "init handshake")
         except ChannelError:
             channel.close()
             raise
@@ -231,78 +175,30 @@ class HCCLWeightTransferEngine(
             init_info.packed_num_buffers,
         )
 
-    def start_weight_update(self) -> None:
-        self._require_channel()
-        self.reload.begin(self.model)
+    # -- transport hooks ---------------------------------------------------------------
+    def _connected(self) -> bool:
+        return self.channel is not None and not self.channel.broken
 
-    def finish_weight_update(self) -> None:
-        self.reload.finish(self.model_config)
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
+        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
 
-    def shutdown(self) -> None:
-        if self.reload.active:
-            self.reload.abort(self.model_config)
-        self._close_channel()
+    def _agree(self, refusal, specs, update_info) -> str | None:
+        sig = 0 if refusal else update_signature(specs)
+        all_ok, same = self.channel.agree(refusal is None, sig, "update handshake")
+        if all_ok and same:
+            return None
+        if refusal is not None:
+            return str(refusal)
+        return (
+            "the trainer aborted it"
+            if not all_ok
+            else "the trainer's metadata differs from update_info"
+        )
 
-    # -- one update ------------------------------------------------------------------
-    def receive_weights(self, update_info: HCCLWeightTransferUpdateInfo) -> None:
-        channel = self._require_channel()
-        if not self.reload.active:
-            raise RuntimeError("update_weights called without start_weight_update")
-        refusal: WeightUpdateRefused | None = None
-        specs: list[TensorSpec] = []
-        try:
-            specs = parse_specs(update_info.names, update_info.dtype_names, update_info.shapes)
-            validate_update(specs, self._expected_params())
-        except WeightUpdateRefused as e:
-            refusal = e
-        sig = 0 if refusal else _update_signature(specs)
-        try:
-            all_ok, same = channel.agree(refusal is None, sig, "update handshake")
-        except ChannelError as e:
-            self._fail_before_data()
-            if refusal is not None:
-                raise WeightUpdateRefused(
-                    f"refused weight update, model unchanged: {refusal}"
-                ) from e
-            raise RuntimeError(f"the trainer did not join the update: {e}") from e
-        if not (all_ok and same):
-            self.reload.abort(self.model_config)  # nothing loaded: old weights stay
-            if refusal is not None:
-                raise WeightUpdateRefused(f"refused weight update, model unchanged: {refusal}")
-            raise WeightUpdateRefused(
-                "refused weight update, model unchanged: "
-                + (
-                    "the trainer aborted it"
-                    if not all_ok
-                    else "the trainer's metadata differs from update_info"
-                )
-            )
-        assert self.init_info is not None
-        plan = _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
-        received = 0
-        try:
-            for bucket, buf in self._receive(channel, plan):
-                self._load(bucket, buf)
-                received += bucket.nbytes
-        except Exception as e:
-            updated = self.reload.abort(self.model_config)
-            self._close_channel()
-            state = (
-                f"{updated} layer(s) already hold new weights: do not resume generation "
-                "before a complete update"
-                if updated
-                else "model unchanged"
-            )
-            raise RuntimeError(
-                f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
-                f"({type(e).__name__}: {e}); {state}. Call init_weight_transfer_engine "
-                "again before the next update."
-            ) from e
-
-    def _receive(self, channel: BroadcastChannel, plan: list[Bucket]):
-        """Yield (bucket, received buffer); bucket i+1.. are in flight while i is loaded."""
+    def _buckets(self, plan: list[Bucket], update_info):
+        """Bucket i+1.. are in flight while bucket i is loaded."""
+        channel, depth = self.channel, self.init_info.packed_num_buffers
         in_flight: deque = deque()
-        depth = self.init_info.packed_num_buffers if self.init_info else 1
         for bucket in plan:
             if bucket.nbytes == 0:
                 continue
@@ -310,49 +206,22 @@ class HCCLWeightTransferEngine(
             # complete, so a reused buffer would be overwritten under it.
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
             in_flight.append((bucket, buf, channel.broadcast(buf)))
-            if len(in_flight) > depth - 1:
-                yield self._landed(channel, *in_flight.popleft())
+            if len(in_flight) >= depth:
+                yield self._landed(*in_flight.popleft())
         while in_flight:
-            yield self._landed(channel, *in_flight.popleft())
+            yield self._landed(*in_flight.popleft())
 
-    @staticmethod
-    def _landed(channel: BroadcastChannel, bucket: Bucket, buf: torch.Tensor, work):
-        channel.wait(work, f"receiving bucket {bucket.index}")
+    def _landed(self, bucket: Bucket, buf: torch.Tensor, work):
+        self.channel.wait(work, f"receiving bucket {bucket.index}")
         return bucket, buf
 
-    def _load(self, bucket: Bucket, buf: torch.Tensor) -> None:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
-        with disable_mtp_completeness_check():
-            self.model.load_weights(unpack_views(buf, bucket))
-
-    # -- helpers ---------------------------------------------------------------------
-    def _expected_params(self):
-        if not self._expected_loaded:
-            self._expected = expected_params(self.model_config)
-            self._expected_loaded = True
-        return self._expected
-
-    def _require_channel(self) -> BroadcastChannel:
-        if self.channel is None or self.channel.broken:
-            raise RuntimeError(
-                "HCCL weight transfer is not initialized: call init_weight_transfer_engine first"
-            )
-        return self.channel
-
-    def _fail_before_data(self) -> None:
-        self.reload.abort(self.model_config)
-        self._close_channel()
-
-    def _close_channel(self) -> None:
+    def _disconnect(self) -> None:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
 
 
-class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
+class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
     """Trainer side. Rank 0 drives start/update/finish over ``client`` and broadcasts;
     other trainer ranks only iterate the source (its gathers are collectives)."""
 
@@ -364,11 +233,9 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         client: VLLMWeightSyncClient,
         source: WeightSource,
         init_info: HCCLTrainerInitInfo,
-        device: Device | None = None,
+        device=None,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.init_info = init_info
-        self.hw = device or current_device()
+        super().__init__(client=client, source=source, init_info=init_info, device=device)
         self.channel: BroadcastChannel | None = None
         self._staging: list[torch.Tensor] = []
 
@@ -421,7 +288,7 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
         channel = opening.result(0)
         try:
             all_ok, same = channel.agree(
-                True, _wire_signature(info), "init handshake", init_call.raise_if_failed
+                True, wire_signature(info), "init handshake", init_call.raise_if_failed
             )
             if not (all_ok and same):
                 raise WeightSyncError(
@@ -433,71 +300,26 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
             raise
         self.channel = channel
 
-    def send_weights(
-        self, weight_version: str | None = None, progress: bool | None = None
-    ) -> SyncResult:
-        """Push every weight of the source into the engine: start, update, finish.
+    # -- transport hooks ---------------------------------------------------------------
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
+        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
 
-        Returns bytes, seconds and GB/s. ``weight_version`` is passed to
-        ``finish_weight_update`` and tags subsequent outputs. ``progress`` shows a byte
-        progress bar (default: for transfers of 512 MiB or more on a terminal).
-        """
-        assert self.source is not None
-        meta = self.source.metadata()
-        specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in meta]
-        plan = _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
-        if not self.is_sender:
-            for _ in self.source:  # stay in the source's gather collectives
-                pass
-            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
-        channel = self.channel
-        if channel is None or channel.broken:
-            raise WeightSyncError(
-                "weight-transfer channel is not usable"
-                + (f" ({channel.broken})" if channel else "")
-                + ": call trainer_init again"
-            )
-        nbytes = total_bytes(specs)
-        timeout_s = self.init_info.timeout_s
-        started = time.perf_counter()
-        call("start_weight_update", self.client.start_weight_update)
-        update = BackgroundCall(
-            "update_weights",
-            self.client.update_weights,
-            asdict(HCCLWeightTransferUpdateInfo.from_specs(specs)),
-        )
-        try:
-            all_ok, same = channel.agree(
-                True, _update_signature(specs), "update handshake", update.raise_if_failed
-            )
-        except ChannelError as e:
-            channel.close()
-            raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
-        if not (all_ok and same):  # refused before any byte moved; the channel stays usable
-            raise WeightSyncError(f"engine refused the update: {update.failure(timeout_s)}")
-        bar = Progress(nbytes, progress, "weights -> engine")
-        try:
-            self._broadcast(channel, plan, update, bar)
-            transfer_s = bar.close()
-            update.result(timeout_s)
-        except ChannelError as e:
-            channel.close()
-            reason = update.failure(min(timeout_s, 30.0))  # fast: the channel is closed
-            raise WeightSyncError(f"weight broadcast failed: {reason or e}") from e
-        except Exception:
-            channel.close()  # tells the engine at once instead of after its timeout
-            raise
-        finally:
-            bar.close()
-        call("finish_weight_update", self.client.finish_weight_update, weight_version)
-        return SyncResult(
-            nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
-        )
+    def _not_ready(self) -> str | None:
+        if self.channel is None:
+            return "not connected"
+        return self.channel.broken
 
-    def _broadcast(
-        self, channel: BroadcastChannel, plan: list[Bucket], update: BackgroundCall, bar: Progress
-    ) -> None:
-        depth = self.init_info.packed_num_buffers
+    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+        return HCCLWeightTransferUpdateInfo.fields_from_specs(specs)
+
+    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
+        all_ok, same = self.channel.agree(
+            True, update_signature(specs), "update handshake", update.raise_if_failed
+        )
+        return all_ok and same
+
+    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None:
+        channel, depth = self.channel, self.init_info.packed_num_buffers
         staging = self._staging_buffers(plan, depth)
         in_flight: deque = deque()
         poll = update.raise_if_failed
@@ -505,9 +327,9 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
             if bucket.nbytes == 0:
                 continue
             if len(in_flight) >= depth:  # the oldest buffer must be free before reuse
-                b, work, _ = in_flight.popleft()
-                channel.wait(work, f"sending bucket {b.index}", poll)
-                bar.update(b.nbytes)
+                done, work, _ = in_flight.popleft()
+                channel.wait(work, f"sending bucket {done.index}", poll)
+                bar.update(done.nbytes)
             if bucket.oversized:
                 send = as_bytes(tensors[0])
             else:
@@ -516,9 +338,9 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
                 self.hw.synchronize()
             in_flight.append((bucket, channel.broadcast(send), send))
         while in_flight:
-            b, work, _ = in_flight.popleft()
-            channel.wait(work, f"sending bucket {b.index}", poll)
-            bar.update(b.nbytes)
+            done, work, _ = in_flight.popleft()
+            channel.wait(work, f"sending bucket {done.index}", poll)
+            bar.update(done.nbytes)
 
     def _staging_buffers(self, plan: list[Bucket], depth: int) -> list[torch.Tensor]:
         need = max((b.nbytes for b in plan if not b.oversized), default=0)
@@ -528,6 +350,10 @@ class HCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerIni
                 for _ in range(depth)
             ]
         return self._staging
+
+    def _abort(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
 
     def shutdown(self) -> None:
         if self.channel is not None:

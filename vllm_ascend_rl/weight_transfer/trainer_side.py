@@ -11,17 +11,32 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
 from vllm.logger import init_logger
+
+from vllm_ascend_rl.device import Device, current_device
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
+from vllm_ascend_rl.weight_transfer.channel import ChannelError
+from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 
 logger = init_logger(__name__)
 
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed; the message says which side failed and why."""
+
+
+# Failures of the connection itself (as opposed to bugs in the caller's weight source).
+TRANSPORT_ERRORS = (ChannelError, DoorbellError, WeightSyncError)
 
 
 @dataclass(frozen=True)
@@ -151,3 +166,107 @@ class Progress:
             self.bar.close()
             self.bar = None
         return time.perf_counter() - self.start
+
+
+class CheckpointTrainer(TrainerWeightTransferEngine):
+    """Trainer-side template shared by the HCCL and NPU-IPC engines.
+
+    ``send_weights`` drives ``start_weight_update``, ``update_weights`` (in a daemon thread,
+    since the engine blocks in it while the data moves) and ``finish_weight_update``. A
+    transport implements ``_plan``, ``_not_ready``, ``_payload``, ``_agree``, ``_send`` and
+    ``_abort``; a refusal in ``_agree`` leaves the connection usable, a failure after it does
+    not.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        init_info,
+        device: Device | None = None,
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.hw = device or current_device()
+
+    # -- transport hooks ---------------------------------------------------------------
+    @abstractmethod
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]: ...
+
+    @abstractmethod
+    def _not_ready(self) -> str | None:
+        """Why the connection cannot carry an update now, or None."""
+
+    @abstractmethod
+    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict: ...
+
+    @abstractmethod
+    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
+        """True if every engine goes ahead; False if one refused (its reason is in
+        ``update``)."""
+
+    @abstractmethod
+    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None: ...
+
+    @abstractmethod
+    def _abort(self) -> None:
+        """Give up the connection after a failure in the middle of an update."""
+
+    def _succeeded(self) -> None:
+        """Called after ``finish_weight_update`` returned."""
+
+    # -- the update --------------------------------------------------------------------
+    def send_weights(
+        self, weight_version: str | None = None, progress: bool | None = None
+    ) -> SyncResult:
+        """Push every weight of the source into the engine: start, update, finish.
+
+        Returns bytes, seconds and GB/s. ``weight_version`` is passed to
+        ``finish_weight_update`` and tags subsequent outputs. ``progress`` shows a byte
+        progress bar (default: for transfers of 512 MiB or more on a terminal).
+        """
+        assert self.source is not None
+        specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
+        plan = self._plan(specs)
+        if not self.is_sender:
+            for _ in self.source:  # stay in the source's gather collectives
+                pass
+            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
+        reason = self._not_ready()
+        if reason:
+            raise WeightSyncError(
+                f"weight transfer is not usable ({reason}): call trainer_init again"
+            )
+        nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
+        started = time.perf_counter()
+        call("start_weight_update", self.client.start_weight_update)
+        update = BackgroundCall(
+            "update_weights", self.client.update_weights, self._payload(specs, plan)
+        )
+        try:
+            go = self._agree(specs, update)
+        except TRANSPORT_ERRORS as e:
+            self._abort()
+            raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
+        if not go:  # refused before any byte moved; the connection stays usable
+            raise WeightSyncError(f"engine refused the update: {update.failure(timeout_s)}")
+        bar = Progress(nbytes, progress, "weights -> engine")
+        try:
+            self._send(plan, update, bar)
+            transfer_s = bar.close()
+            update.result(timeout_s)
+        except TRANSPORT_ERRORS as e:
+            self._abort()  # the engine notices at once instead of after its timeout
+            reason = update.failure(min(timeout_s, 30.0))
+            raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            bar.close()
+        call("finish_weight_update", self.client.finish_weight_update, weight_version)
+        self._succeeded()
+        return SyncResult(
+            nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
+        )

@@ -1,0 +1,119 @@
+"""The seed's async-RL e2e with the NPU-IPC engine on CPU (POSIX shared memory), its error
+paths, and a leak test. The shared cases are in ``weight_sync_cases``."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from tests.e2e.weight_sync_cases import WeightSyncCases
+from vllm_ascend_rl.testing.trainer import TrainerError
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm"))
+
+
+def rss(pids: list[int]) -> int:
+    return sum(psutil.Process(p).memory_info().rss for p in pids)
+
+
+class TestNPUIPCWeightSwap(WeightSyncCases):
+    backend = "npu_ipc"
+
+    def test_no_pickle_on_the_control_plane(self, engine):
+        # The weight swaps of this class run without VLLM_ALLOW_INSECURE_SERIALIZATION: the
+        # handles travel as plain JSON fields.
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in engine.env
+
+    @pytest.mark.parametrize(
+        "buffers, message",
+        [
+            ("not-a-list", "malformed buffers field"),
+            (
+                [{"id": "bad1", "kind": "shm", "name": "../../etc/passwd", "nbytes": 10}],
+                "malformed shared-memory handle: name '../../etc/passwd'",
+            ),
+            (
+                [{"id": "bad2", "kind": "shm", "name": GOOD_NAME_FORMAT, "nbytes": "ten"}],
+                "malformed shared-memory handle: nbytes 'ten'",
+            ),
+            ([{"id": "bad3", "kind": "cuda_ipc", "handle": "..."}], "not a shared-memory handle"),
+        ],
+        ids=["not_a_list", "bad_name", "bad_size", "wrong_kind"],
+    )
+    def test_malformed_handle_is_refused(self, engine, trainer, on_v1, v1_probe, buffers, message):
+        self.init(trainer, engine)
+        with pytest.raises(TrainerError, match="refused") as err:
+            trainer.send(payload={"buffers": buffers})
+        assert message in str(err.value)
+        self.assert_alive_and_intact(engine, v1_probe)
+        trainer.send(weight_version="v2")  # a refusal leaves the connection usable
+
+    def test_missing_segment_is_refused(self, engine, trainer, on_v1, v1_probe):
+        self.init(trainer, engine)
+        handle = {
+            "id": "gone",
+            "kind": "shm",
+            "name": GOOD_NAME_FORMAT,
+            "nbytes": 1 << 20,
+            "location": None,
+        }
+        with pytest.raises(TrainerError, match="refused"):
+            trainer.send(payload={"buffers": [handle]})
+        handle["location"] = _engine_location()
+        with pytest.raises(TrainerError, match=f"segment '{GOOD_NAME_FORMAT}' does not exist"):
+            trainer.send(payload={"buffers": [handle]})
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    def test_trainer_on_another_chip_is_named(self, engine, trainer, on_v1, v1_probe):
+        self.init(trainer, engine)
+        elsewhere = {**_engine_location(), "host": "trainer-host-b", "chip": "7"}
+        handle = {
+            "id": "far",
+            "kind": "shm",
+            "name": GOOD_NAME_FORMAT,
+            "nbytes": 1 << 20,
+            "location": elsewhere,
+        }
+        with pytest.raises(TrainerError) as err:
+            trainer.send(payload={"buffers": [handle]})
+        here = _engine_location()
+        assert (
+            f"trainer on chip 7 of host trainer-host-b, engine on chip cpu of host {here['host']}"
+        ) in str(err.value)
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    def test_no_leak_over_100_updates(self, engine, trainer, on_v1):
+        self.init(trainer, engine)
+        for _ in range(10):  # warm up allocator pools and mappings
+            trainer.send()
+        shm_before = shm_entries()
+        engine_before, trainer_before = rss(engine.pids()), rss([trainer.proc.pid])
+        for i in range(100):
+            trainer.send(weight_version=f"leak-{i}")
+        shm_after = shm_entries()
+        engine_after, trainer_after = rss(engine.pids()), rss([trainer.proc.pid])
+        assert shm_after <= shm_before, f"new /dev/shm entries: {shm_after - shm_before}"
+        assert not [n for n in shm_after if n.startswith("vllm_ascend_rl_")]
+        growth = {
+            "engine": engine_after / engine_before - 1,
+            "trainer": trainer_after / trainer_before - 1,
+        }
+        print(
+            f"RSS growth over 100 updates: {growth}; engine {engine_after >> 20} MiB, "
+            f"trainer {trainer_after >> 20} MiB"
+        )
+        assert growth["engine"] <= 0.02 and growth["trainer"] <= 0.02, growth
+
+
+def _engine_location() -> dict:
+    from vllm_ascend_rl.device import get_device
+
+    return get_device("cpu").location()

@@ -1,0 +1,196 @@
+"""The weight-swap e2e shared by every weight-transfer backend (HCCL, NPU-IPC).
+
+A test class sets ``backend`` and subclasses :class:`WeightSyncCases`. Per class: one engine
+server on v1 weights with ``--weight-transfer-config '{"backend": <backend>}'`` and the plugin
+scheduler, one reference server on v2 (validation only), one trainer process holding v2.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import ClassVar
+
+import pytest
+
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+    free_port,
+    greedy_token_ids,
+)
+from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
+from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+
+PROBE = "Weights under test:"
+SMALL_BUCKET = 64 << 10  # smaller than the largest tensor (embed/lm_head: 512 x 128 bf16)
+WIRES = {
+    "packed": {"packed": True},
+    "unpacked": {"packed": False},
+    "small_bucket": {
+        "packed": True,
+        "packed_buffer_size_bytes": SMALL_BUCKET,
+        "packed_num_buffers": 3,
+    },
+}
+BAD_METADATA = {
+    "unknown_name": (
+        {"rename": "model.layers.1.mlp.up_proj.weight"},
+        "unknown parameter 'model.layers.1.mlp.up_proj.weight_unknown'",
+    ),
+    "oversized_shape": (
+        {"grow": "model.layers.0.mlp.gate_proj.weight"},
+        "'model.layers.0.mlp.gate_proj.weight': shape [320, 128]",
+    ),
+    "float32": (
+        {"dtype": "float32", "dtype_param": "model.norm.weight"},
+        "'model.norm.weight': dtype float32",
+    ),
+    "int32": ({"dtype": "int32", "dtype_param": "lm_head.weight"}, "'lm_head.weight': dtype int32"),
+}
+
+
+def init_trainer(backend: str, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
+    """``trainer_init`` for ``backend`` with test-friendly defaults."""
+    kw.setdefault("timeout_s", 30)
+    if backend == "hccl":
+        kw.setdefault("world_size", 2)
+        kw.setdefault("master_address", "127.0.0.1")
+        kw.setdefault("master_port", free_port())
+    trainer.init(backend, engine.url, **kw)
+
+
+class WeightSyncCases:
+    backend: ClassVar[str]
+    extra_engine_args: ClassVar[list[str]] = []
+
+    # -- fixtures (one set of servers and one trainer per test class) ------------------
+    @pytest.fixture(scope="class")
+    def models(self):
+        return build_model_pair()
+
+    @pytest.fixture(scope="class")
+    def servers(self, models, tmp_path_factory):
+        v1, v2 = models
+        logs = tmp_path_factory.mktemp(f"{self.backend}-logs")
+        backend_flag = f'{{"backend": "{self.backend}"}}'
+        engine = VLLMServer(
+            v1,
+            log_path=logs / "engine.log",
+            extra_args=[
+                *engine_args(),
+                "--scheduler-cls",
+                PLUGIN_SCHEDULER,
+                *self.extra_engine_args,
+                "--weight-transfer-config",
+                backend_flag,
+            ],
+        )
+        reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
+        try:
+            engine.start(wait=False)
+            reference.start(wait=False)
+            engine.wait_healthy()
+            reference.wait_healthy()
+            yield engine, reference
+        finally:
+            engine.stop()
+            reference.stop()
+
+    @pytest.fixture(scope="class")
+    def engine(self, servers):
+        return servers[0]
+
+    @pytest.fixture(scope="class")
+    def reference(self, servers):
+        return servers[1]
+
+    @pytest.fixture(scope="class")
+    def v1_probe(self, engine):
+        """Greedy output of the engine on its start-up (v1) weights."""
+        return greedy_token_ids(engine.url, PROBE, 24)
+
+    @pytest.fixture(scope="class")
+    def trainer(self, models, tmp_path_factory):
+        log = tmp_path_factory.mktemp(f"{self.backend}-trainer") / "trainer.log"
+        with TrainerProcess(models[1], log_path=log) as t:
+            yield t
+
+    @pytest.fixture
+    def on_v1(self, engine, trainer, models, v1_probe):
+        """Put the engine back on v1 weights (by a sync); the trainer keeps holding v2."""
+        ctl = EngineControlClient(engine.url)
+        ctl.resume()
+        self.init(trainer, engine)
+        trainer.load(models[0])
+        trainer.send(weight_version="v1")
+        trainer.load(models[1])
+        assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+        yield
+        ctl.resume()
+
+    def init(self, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
+        init_trainer(self.backend, trainer, engine, **kw)
+
+    @staticmethod
+    def assert_alive_and_intact(engine: VLLMServer, v1_probe: list[int]) -> None:
+        assert engine.is_healthy(), "server died"
+        assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe, "weights changed"
+
+    # -- the seed's RL e2e -------------------------------------------------------------
+    @pytest.mark.parametrize("wire", list(WIRES))
+    def test_weight_swap_continues_on_new_weights(self, engine, reference, trainer, on_v1, wire):
+        self.init(trainer, engine, **WIRES[wire])
+        out = swap_mid_generation(engine.url, lambda: trainer.send(weight_version="v2"))
+        assert not out.problems, out.problems
+        assert all(k > 0 for k in out.split), out.split
+        if wire == "small_bucket":
+            assert out.sync_result["num_buckets"] > 2
+        assert out.sync_result["bytes"] > 0
+        assert check_continuations(reference.url, out) == [True] * len(out.streams)
+
+    # -- transactional updates ---------------------------------------------------------
+    @pytest.mark.parametrize("case", list(BAD_METADATA))
+    def test_bad_metadata_is_refused_and_model_untouched(
+        self, engine, trainer, on_v1, v1_probe, case
+    ):
+        fault, message = BAD_METADATA[case]
+        self.init(trainer, engine)
+        with pytest.raises(TrainerError, match="refused") as err:
+            trainer.send(**fault)
+        assert message in str(err.value)
+        self.assert_alive_and_intact(engine, v1_probe)
+        trainer.send(weight_version="v2")  # a refusal leaves the connection usable
+        assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
+    def test_trainer_dying_mid_transfer(self, engine, reference, models, trainer, on_v1, tmp_path):
+        timeout_s = 10
+        with TrainerProcess(models[1], log_path=tmp_path / "dying.log") as doomed:
+            self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
+            t0 = time.monotonic()
+            with pytest.raises(TrainerError, match="exited"):
+                doomed.send(die_after_tensors=12)
+        # The engine's update fails within timeout_s, with a message, and it keeps serving.
+        deadline = t0 + timeout_s + 30
+        while "weight transfer failed" not in engine.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, "engine did not report the failed transfer"
+            time.sleep(0.5)
+        assert engine.is_healthy()
+        assert greedy_token_ids(engine.url, PROBE, 8)  # serves (possibly mixed weights)
+        self.init(trainer, engine)  # a new init works, and a full sync restores v2 exactly
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    def test_stalled_trainer_times_out_on_both_sides(self, engine, reference, trainer, on_v1):
+        timeout_s, stall_s = 5, 9
+        self.init(trainer, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
+        t0 = time.monotonic()
+        with pytest.raises(TrainerError, match=f"within timeout_s={timeout_s}s"):
+            trainer.send(stall_after_tensors=12, stall_s=stall_s)  # the engine's message
+        assert time.monotonic() - t0 < stall_s + 2 * timeout_s + 10
+        assert engine.is_healthy()
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)

@@ -1,0 +1,128 @@
+"""The NPU-IPC transport's CPU back end (POSIX shared memory) and its doorbell."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from vllm_ascend_rl.device import IpcHandleError, get_device
+from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener
+
+CPU = get_device("cpu")
+
+
+def shm_path(handle: dict) -> str:
+    return "/dev/shm/" + handle["name"]
+
+
+def test_segments_are_private_randomly_named_and_shared():
+    a, b = CPU.create_ipc_buffer(4096), CPU.create_ipc_buffer(4096)
+    try:
+        assert a.handle["name"] != b.handle["name"]
+        assert stat.S_IMODE(os.stat(shm_path(a.handle)).st_mode) == 0o600
+        a.tensor[:] = torch.arange(4096) % 251
+        mapped = CPU.open_ipc_buffer(a.handle)
+        assert torch.equal(mapped.tensor, a.tensor)
+        mapped.tensor[0] = 99  # the same memory, not a copy
+        assert a.tensor[0] == 99
+        mapped.close()
+    finally:
+        a.close()
+        b.close()
+    assert not os.path.exists(shm_path(a.handle))
+
+
+def test_unlink_keeps_existing_mappings_but_refuses_new_ones():
+    buf = CPU.create_ipc_buffer(1024)
+    mapped = CPU.open_ipc_buffer(buf.handle)
+    buf.unlink()
+    assert not os.path.exists(shm_path(buf.handle))
+    buf.tensor[5] = 42
+    assert mapped.tensor[5] == 42
+    with pytest.raises(IpcHandleError, match="does not exist"):
+        CPU.open_ipc_buffer(buf.handle)
+    mapped.close()
+    buf.close()
+
+
+def test_segments_of_a_crashed_trainer_are_removed():
+    code = (
+        "import os\nfrom vllm_ascend_rl.device import get_device\n"
+        "b = get_device('cpu').create_ipc_buffer(1 << 20)\n"
+        "print(b.handle['name'], flush=True)\nos._exit(3)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    name = out.stdout.strip().splitlines()[-1]
+    deadline = time.monotonic() + 30
+    while os.path.exists("/dev/shm/" + name):  # Python's resource tracker cleans up
+        assert time.monotonic() < deadline, f"{name} leaked after the trainer crashed"
+        time.sleep(0.2)
+
+
+def test_an_importer_exiting_does_not_unlink_the_trainers_segment():
+    buf = CPU.create_ipc_buffer(1024)
+    try:
+        code = (
+            "import json, sys\nfrom vllm_ascend_rl.device import get_device\n"
+            "m = get_device('cpu').open_ipc_buffer(json.loads(sys.argv[1]))\n"
+            "print(int(m.tensor[0]))\n"
+        )
+        import json
+
+        buf.tensor[0] = 17
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(buf.handle)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert out.stdout.strip() == "17"
+        time.sleep(1)
+        assert os.path.exists(shm_path(buf.handle))
+    finally:
+        buf.close()
+
+
+def test_size_and_location_are_checked():
+    buf = CPU.create_ipc_buffer(1024)
+    try:
+        with pytest.raises(IpcHandleError, match=r"holds .* bytes, handle says"):
+            CPU.open_ipc_buffer({**buf.handle, "nbytes": 1 << 30})
+        far = {**buf.handle, "location": {**buf.handle["location"], "host": "b", "chip": "3"}}
+        with pytest.raises(IpcHandleError, match="trainer on chip 3 of host b, engine on chip"):
+            CPU.open_ipc_buffer(far)
+    finally:
+        buf.close()
+
+
+def test_doorbell_round_trip_eof_and_timeout():
+    listener = DoorbellListener(timeout_s=1.0)
+    engine_side: list[Doorbell] = []
+    t = threading.Thread(target=lambda: engine_side.append(Doorbell.connect(listener.address, 1.0)))
+    t.start()
+    trainer_side = None
+    while trainer_side is None:
+        trainer_side = listener.accept(0.1)
+    t.join()
+    engine = engine_side[0]
+    trainer_side.send(bucket=3)
+    assert engine.expect("bucket", 3, "test") == {"bucket": 3}
+    t0 = time.monotonic()
+    with pytest.raises(DoorbellError, match="no message from the trainer within timeout_s=1s"):
+        engine.recv("silence")
+    assert 0.9 < time.monotonic() - t0 < 5
+    trainer_side.close()
+    engine2_side = Doorbell(engine.sock, 1.0, "trainer")  # same socket, fresh state
+    with pytest.raises(DoorbellError, match="closed the connection"):
+        engine2_side.recv("eof")
+    listener.close()
+    with pytest.raises(DoorbellError, match="cannot reach"):
+        Doorbell.connect(listener.address, 1.0)

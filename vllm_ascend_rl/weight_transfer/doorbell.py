@@ -1,0 +1,126 @@
+"""Host-local signalling between a colocated trainer and its engine workers.
+
+The NPU-IPC engine moves no data over this channel: weights travel through shared staging
+buffers. The doorbell only says "bucket i is in buffer k" and "bucket i was copied out", so the
+trainer can refill a buffer as soon as the engine is done with it. It is a Unix stream socket in
+Linux's abstract namespace (no file to clean up), carrying newline-delimited JSON. A dead peer
+shows up at once as end-of-stream, a silent one after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import select
+import socket
+import time
+from collections.abc import Callable
+
+Poll = Callable[[], None]
+
+
+class DoorbellError(RuntimeError):
+    """The peer went away, stayed silent past the deadline, or sent something unexpected."""
+
+
+class Doorbell:
+    """One end of a trainer <-> engine-worker connection."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float, peer: str) -> None:
+        self.sock, self.timeout_s, self.peer = sock, timeout_s, peer
+        self._buf = b""
+        self.broken: str | None = None
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float) -> Doorbell:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect("\0" + address)
+        except OSError as e:
+            sock.close()
+            raise DoorbellError(
+                f"cannot reach the trainer's doorbell {address!r}: {e}. "
+                "Trainer and engine must run on the same host."
+            ) from e
+        return cls(sock, timeout_s, "trainer")
+
+    def send(self, **msg) -> None:
+        try:
+            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        except OSError as e:
+            self._break(f"send to {self.peer} failed: {e}")
+
+    def recv(self, what: str, poll: Poll | None = None) -> dict:
+        """The next message, within ``timeout_s``; ``poll`` runs while waiting."""
+        deadline = time.monotonic() + self.timeout_s
+        while b"\n" not in self._buf:
+            if self.broken:
+                raise DoorbellError(self.broken)
+            if poll is not None:
+                poll()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._break(
+                    f"{what}: no message from the {self.peer} within "
+                    f"timeout_s={self.timeout_s:.0f}s"
+                )
+            ready, _, _ = select.select([self.sock], [], [], min(left, 0.05))
+            if ready:
+                try:
+                    chunk = self.sock.recv(1 << 16)
+                except OSError as e:
+                    self._break(f"{what}: connection to the {self.peer} failed: {e}")
+                if not chunk:
+                    self._break(f"{what}: the {self.peer} closed the connection (did it exit?)")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            self._break(f"{what}: malformed message from the {self.peer}: {line[:200]!r}")
+        if not isinstance(msg, dict):
+            self._break(f"{what}: malformed message from the {self.peer}: {msg!r}")
+        if "abort" in msg:
+            self._break(f"{what}: the {self.peer} aborted: {msg['abort']}")
+        return msg
+
+    def expect(self, key: str, value, what: str, poll: Poll | None = None) -> dict:
+        msg = self.recv(what, poll)
+        if msg.get(key) != value:
+            self._break(f"{what}: expected {key}={value!r} from the {self.peer}, got {msg}")
+        return msg
+
+    def _break(self, reason: str):
+        self.broken = reason
+        raise DoorbellError(reason)
+
+    def close(self) -> None:
+        self.broken = self.broken or "closed"
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class DoorbellListener:
+    """The trainer's end: accepts one connection per engine worker."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.address = f"vllm_ascend_rl-{secrets.token_hex(8)}"
+        self.timeout_s = timeout_s
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind("\0" + self.address)
+        self.sock.listen(64)
+        self.sock.setblocking(False)
+
+    def accept(self, wait_s: float) -> Doorbell | None:
+        ready, _, _ = select.select([self.sock], [], [], wait_s)
+        if not ready:
+            return None
+        conn, _ = self.sock.accept()
+        conn.setblocking(True)
+        return Doorbell(conn, self.timeout_s, "engine")
+
+    def close(self) -> None:
+        self.sock.close()

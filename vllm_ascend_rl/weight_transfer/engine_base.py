@@ -1,0 +1,198 @@
+"""The engine (worker) side shared by the HCCL and NPU-IPC engines.
+
+Both receive checkpoint-format weights the same way; only the transport differs. One update:
+
+1. validate the metadata against the model (nothing is loaded yet);
+2. agree with the trainer that the update goes ahead (a refusal on either side stops both);
+3. receive bucket after bucket, loading each through vLLM's layerwise reload;
+4. on any failure, restore every layer that had not received all its weights, drop the
+   connection (its byte stream is out of step) and say exactly what state the model is in.
+
+A transport implements ``_connected``, ``_agree``, ``_buckets`` and ``_disconnect``.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferUpdateInfo,
+)
+
+from vllm_ascend_rl.device import Device, device_for
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, dtype_name, total_bytes
+from vllm_ascend_rl.weight_transfer.channel import signature
+from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
+from vllm_ascend_rl.weight_transfer.validation import (
+    WeightUpdateRefused,
+    expected_params,
+    parse_specs,
+    validate_update,
+)
+
+PROTOCOL_VERSION = 1
+DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_NUM_BUFFERS = 2
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def check_wire(packed: bool, bucket: int, buffers: int, timeout_s: float) -> None:
+    """Validate wire parameters (ValueError): they are agreed once, at init."""
+    if not isinstance(packed, bool):
+        raise ValueError(f"packed must be a bool, got {packed!r}")
+    if not isinstance(bucket, int) or bucket <= 0:
+        raise ValueError(f"packed_buffer_size_bytes must be a positive int, got {bucket!r}")
+    if not isinstance(buffers, int) or buffers < 1:
+        raise ValueError(f"packed_num_buffers must be >= 1, got {buffers!r}")
+    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+
+
+def wire_signature(info) -> int:
+    return signature(
+        PROTOCOL_VERSION, info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers
+    )
+
+
+def update_signature(specs: list[TensorSpec]) -> int:
+    return signature([(s.name, dtype_name(s.dtype), s.shape) for s in specs])
+
+
+@dataclass
+class CheckpointUpdateInfo(WeightTransferUpdateInfo):
+    """One update's metadata, in the order the trainer sends the tensors."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+    @classmethod
+    def fields_from_specs(cls, specs: list[TensorSpec]) -> dict:
+        return {
+            "names": [s.name for s in specs],
+            "dtype_names": [dtype_name(s.dtype) for s in specs],
+            "shapes": [list(s.shape) for s in specs],
+        }
+
+
+class CheckpointEngine(WeightTransferEngine):
+    """Template for engines that receive checkpoint-format weights in buckets."""
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
+        super().__init__(config, vllm_config, device, model)
+        self.hw: Device = device_for(device)
+        self.init_info = None
+        self.reload = LayerwiseReload()
+        self._expected = None
+        self._expected_loaded = False
+
+    # -- transport hooks ---------------------------------------------------------------
+    @abstractmethod
+    def _connected(self) -> bool: ...
+
+    @abstractmethod
+    def _agree(
+        self, refusal: WeightUpdateRefused | None, specs: list[TensorSpec], update_info
+    ) -> str | None:
+        """Tell the trainer whether we go ahead, learn whether it does; the reason not to."""
+
+    @abstractmethod
+    def _buckets(self, plan: list[Bucket], update_info) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Yield each bucket with a uint8 buffer this engine owns (loading keeps views)."""
+
+    @abstractmethod
+    def _disconnect(self) -> None: ...
+
+    @abstractmethod
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]: ...
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def _before_init(self) -> None:
+        if self.reload.active:
+            raise RuntimeError(
+                "cannot re-initialize weight transfer during a weight update; finish it first"
+            )
+        self._disconnect()
+
+    def start_weight_update(self) -> None:
+        self._require_connected()
+        self.reload.begin(self.model)
+
+    def finish_weight_update(self) -> None:
+        self.reload.finish(self.model_config)
+
+    def shutdown(self) -> None:
+        if self.reload.active:
+            self.reload.abort(self.model_config)
+        self._disconnect()
+
+    def _require_connected(self) -> None:
+        if not self._connected():
+            raise RuntimeError(
+                f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
+            )
+
+    # -- one update --------------------------------------------------------------------
+    def receive_weights(self, update_info) -> None:
+        self._require_connected()
+        if not self.reload.active:
+            raise RuntimeError("update_weights called without start_weight_update")
+        refusal: WeightUpdateRefused | None = None
+        specs: list[TensorSpec] = []
+        try:
+            specs = parse_specs(update_info.names, update_info.dtype_names, update_info.shapes)
+            validate_update(specs, self._expected_params())
+        except WeightUpdateRefused as e:
+            refusal = e
+        try:
+            reason = self._agree(refusal, specs, update_info)
+        except Exception as e:
+            self.reload.abort(self.model_config)
+            self._disconnect()
+            if refusal is not None:
+                raise WeightUpdateRefused(
+                    f"refused weight update, model unchanged: {refusal}"
+                ) from e
+            raise RuntimeError(f"the trainer did not join the update: {e}") from e
+        if reason is not None:
+            self.reload.abort(self.model_config)  # nothing loaded: the old weights stay
+            raise WeightUpdateRefused(f"refused weight update, model unchanged: {reason}")
+        received = 0
+        try:
+            for bucket, buf in self._buckets(self._plan(specs), update_info):
+                self._load(bucket, buf)
+                received += bucket.nbytes
+        except Exception as e:
+            updated = self.reload.abort(self.model_config)
+            self._disconnect()
+            state = (
+                f"{updated} layer(s) already hold new weights: do not resume generation "
+                "before a complete update"
+                if updated
+                else "model unchanged"
+            )
+            raise RuntimeError(
+                f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
+                f"({type(e).__name__}: {e}); {state}. Call init_weight_transfer_engine "
+                "again before the next update."
+            ) from e
+
+    def _load(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        from vllm_ascend_rl.weight_transfer.buckets import unpack_views
+
+        with disable_mtp_completeness_check():
+            self.model.load_weights(unpack_views(buf, bucket))
+
+    def _expected_params(self):
+        if not self._expected_loaded:
+            self._expected = expected_params(self.model_config)
+            self._expected_loaded = True
+        return self._expected
