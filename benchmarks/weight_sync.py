@@ -17,7 +17,6 @@ many-small-tensor model. On CPU the collective is gloo over loopback.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -25,18 +24,18 @@ import time
 
 import requests
 import torch
-from vllm.distributed.weight_transfer import (
-    HTTPVLLMWeightSyncClient,
-    ModuleSource,
-    WeightTransferTrainerFactory,
+from bench_common import (
+    bench_server,
+    big_spec,
+    e2e_s,
+    median_transport_s,
+    model_bytes,
+    trainer_engine,
 )
 
 import vllm_ascend_rl
-from vllm_ascend_rl.testing import TinyModelSpec, VLLMServer, build_tiny_model, free_port
+from vllm_ascend_rl.testing import TinyModelSpec, build_tiny_model
 from vllm_ascend_rl.testing.tiny_model import load_hf_model
-from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
-
-EXT = "vllm_ascend_rl.testing.bench_worker_ext.WeightSyncBenchExtension"
 
 
 def raw_broadcast_s(engine, url: str, buf: torch.Tensor) -> float:
@@ -63,64 +62,18 @@ def raw_broadcast_s(engine, url: str, buf: torch.Tensor) -> float:
     return seconds
 
 
-def transport_s(engine, url: str) -> float:
-    """Trainer-side seconds of the data plane of one update whose receiver does not load."""
-    from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
-    from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress
-
-    specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in engine.source.metadata()]
-    plan = engine._plan(specs)
-    info = json.dumps(engine._payload(specs, plan))
-    receive = BackgroundCall("discard", requests.post, url + "/collective_rpc", None, {
-        "method": "bench_receive_discard", "kwargs": {"update_info": info}})
-    assert engine._agree(specs, receive)
-    bar = Progress(0, False, "")
-    engine._send(plan, receive, bar)
-    seconds = bar.close()
-    assert receive.result(600).status_code == 200
-    return seconds
-
-
 def measure(name: str, spec: TinyModelSpec, repeats: int) -> dict:
     path = build_tiny_model(spec)
     model = load_hf_model(path)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    nbytes = model_bytes(model)
     ntensors = sum(1 for _ in model.parameters())
     print(f"[{name}] {nbytes / 1e9:.2f} GB in {ntensors} tensors; starting vLLM ...", flush=True)
     row = {"model": name, "GB": nbytes / 1e9, "tensors": ntensors}
-    with VLLMServer(
-        path,
-        extra_args=[
-            "--enforce-eager",
-            "--max-num-seqs",
-            "4",
-            "--weight-transfer-config",
-            '{"backend": "hccl"}',
-            "--worker-extension-cls",
-            EXT,
-        ],
-        max_model_len=512,
-    ) as server:
+    with bench_server(path, "hccl") as server:
         for mode, packed in (("packed", True), ("tensor", False)):
-            engine = WeightTransferTrainerFactory.trainer_init(
-                HCCLTrainerInitInfo(
-                    master_address="127.0.0.1",
-                    master_port=free_port(),
-                    world_size=2,
-                    rank=0,
-                    packed=packed,
-                    timeout_s=600,
-                ),
-                client=HTTPVLLMWeightSyncClient(server.url, timeout=600),
-                source=ModuleSource(model),
-            )
-            engine.send_weights()  # warm-up
-            results = [engine.send_weights() for _ in range(repeats)]
-            row[f"{mode}_s"] = statistics.median(r.seconds for r in results)
-            transport_s(engine, server.url)  # warm-up
-            row[f"{mode}_transport_s"] = statistics.median(
-                transport_s(engine, server.url) for _ in range(repeats)
-            )
+            engine = trainer_engine("hccl", server.url, model, packed=packed)
+            row[f"{mode}_s"] = e2e_s(engine, repeats)
+            row[f"{mode}_transport_s"] = median_transport_s(engine, server.url, repeats)
             if packed:
                 buf = torch.ones(nbytes, dtype=torch.uint8)
                 raw_broadcast_s(engine, server.url, buf)  # warm-up
@@ -140,14 +93,7 @@ def main() -> int:
     ap.add_argument("--big-layers", type=int, default=10, help="layers of the >= 1 GB model")
     args = ap.parse_args()
     vllm_ascend_rl.register()
-    big = TinyModelSpec(
-        seed=1,
-        num_layers=args.big_layers,
-        hidden_size=2048,
-        num_heads=32,
-        num_kv_heads=32,
-        intermediate_size=5632,
-    )
+    big = big_spec(args.big_layers)
     small = TinyModelSpec(
         seed=1, num_layers=48, hidden_size=128, num_heads=2, num_kv_heads=2, intermediate_size=256
     )

@@ -118,3 +118,34 @@ def test_source_that_disagrees_with_its_metadata_is_named():
     extra = [*tensors.items(), ("z", torch.ones(1))]
     with pytest.raises(ValueError, match="yielded 'z' beyond"):
         list(iter_bucket_tensors(plan, iter(extra)))
+
+
+def test_receive_pool_recycles_a_buffer_only_when_no_view_is_alive():
+    from vllm_ascend_rl.weight_transfer.engine_base import ReceivePool
+
+    pool = ReceivePool(torch.device("cpu"), max_bytes=2000)
+    a = pool.take(1000)
+    held = a[10:20]  # what layerwise reload does: keep a view until the layer is complete
+    del a
+    b = pool.take(1000)
+    assert b.data_ptr() != held.data_ptr() - 10, "a buffer still viewed was handed out again"
+    del held
+    c = pool.take(800)  # the first buffer is idle again: reused, no new allocation
+    assert len(pool.buffers) == 2
+    assert c.data_ptr() in {buf.data_ptr() for buf, _ in pool.buffers}
+    del b, c
+    big = pool.take(1500)  # full pool: a larger buffer replaces the idle ones
+    assert big.numel() == 1500 and [b.numel() for b, _ in pool.buffers] == [1500]
+    assert pool.take(5000).numel() == 5000 and pool.nbytes <= 2000  # too big to keep
+    pool.release()
+    assert pool.buffers == []
+
+
+def test_receive_pool_evicts_buffers_of_different_sizes():
+    from vllm_ascend_rl.weight_transfer.engine_base import ReceivePool
+
+    pool = ReceivePool(torch.device("cpu"), max_bytes=3000)
+    for n in (1000, 500, 1200):  # idle buffers of unequal sizes, then a larger request
+        pool.take(n)
+    assert pool.take(2500).numel() == 2500
+    assert [b.numel() for b, _ in pool.buffers] == [2500]

@@ -164,7 +164,8 @@ class HCCLWeightTransferEngine(CheckpointEngine):
                 f"bucket={init_info.packed_buffer_size_bytes}, "
                 f"buffers={init_info.packed_num_buffers}); re-run trainer_init"
             )
-        self.channel, self.init_info = channel, init_info
+        self.channel = channel
+        self._after_init(init_info)
         logger.info(
             "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
             rank,
@@ -202,9 +203,8 @@ class HCCLWeightTransferEngine(CheckpointEngine):
         for bucket in plan:
             if bucket.nbytes == 0:
                 continue
-            # A fresh buffer per bucket: layerwise reload keeps the views until a layer is
-            # complete, so a reused buffer would be overwritten under it.
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            # Never a buffer whose views layerwise reload still holds (see ReceivePool).
+            buf = self.pool.take(bucket.nbytes)
             in_flight.append((bucket, buf, channel.broadcast(buf)))
             if len(in_flight) >= depth:
                 yield self._landed(*in_flight.popleft())

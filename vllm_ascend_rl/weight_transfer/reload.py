@@ -47,6 +47,29 @@ class LayerwiseReload:
         finalize_layerwise_reload(model, model_config)
         self._pending = []
 
+    def evacuate(self, storage: torch.Tensor) -> int:
+        """Make buffered weights stop aliasing ``storage``; return how many were copied.
+
+        Layerwise reload keeps a layer's received tensors until the layer is complete. A
+        transport that loads straight from a buffer it must hand back (the NPU-IPC staging
+        ring) calls this after each bucket: tensors of still-incomplete layers that point into
+        the buffer are cloned, everything else has already been consumed.
+        """
+        ptr, copied = storage.untyped_storage().data_ptr(), 0
+        for layer in self._pending:
+            info = get_layerwise_info(layer)
+            if not info.can_load():
+                continue
+            for _, bound in info.loaded_weights:
+                for key, value in bound.arguments.items():
+                    if (
+                        isinstance(value, torch.Tensor)
+                        and value.untyped_storage().data_ptr() == ptr
+                    ):
+                        bound.arguments[key] = value.clone()
+                        copied += 1
+        return copied
+
     def abort(self, model_config: ModelConfig) -> int:
         """Undo what has not been applied yet; return how many layers already hold new weights.
 

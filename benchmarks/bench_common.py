@@ -1,0 +1,104 @@
+"""Pieces shared by the benchmark scripts: the >= 1 GB model, a benchmark server, trainer
+engines for either backend, and the transport-only measurement."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import requests
+import torch
+from vllm.distributed.weight_transfer import (
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+
+from vllm_ascend_rl.testing import TinyModelSpec, VLLMServer, free_port
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
+from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress
+
+EXT = "vllm_ascend_rl.testing.bench_worker_ext.WeightSyncBenchExtension"
+
+
+def big_spec(layers: int = 10) -> TinyModelSpec:
+    """~1.03 GB of bf16 weights in 10 layers of a 2048-wide Qwen2 (123 tensors)."""
+    return TinyModelSpec(
+        seed=1,
+        num_layers=layers,
+        hidden_size=2048,
+        num_heads=32,
+        num_kv_heads=32,
+        intermediate_size=5632,
+    )
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bench_server(path, backend: str) -> VLLMServer:
+    return VLLMServer(
+        path,
+        max_model_len=512,
+        extra_args=[
+            "--enforce-eager",
+            "--max-num-seqs",
+            "4",
+            "--weight-transfer-config",
+            json.dumps({"backend": backend}),
+            "--worker-extension-cls",
+            EXT,
+        ],
+    )
+
+
+def trainer_engine(backend: str, url: str, model: torch.nn.Module, **init):
+    """``trainer_init`` through vLLM's factory, as a user would."""
+    init.setdefault("timeout_s", 600)
+    if backend == "hccl":
+        from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+
+        info = HCCLTrainerInitInfo(
+            master_address="127.0.0.1", master_port=free_port(), world_size=2, rank=0, **init
+        )
+    else:
+        from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
+
+        info = NPUIPCTrainerInitInfo(rank=0, **init)
+    return WeightTransferTrainerFactory.trainer_init(
+        info, client=HTTPVLLMWeightSyncClient(url, timeout=600), source=ModuleSource(model)
+    )
+
+
+def e2e_s(engine, repeats: int) -> float:
+    """Median seconds of ``send_weights()`` end to end (after one warm-up)."""
+    engine.send_weights()
+    return statistics.median(engine.send_weights().seconds for _ in range(repeats))
+
+
+def transport_s(engine, url: str) -> float:
+    """Trainer-side seconds of one update's data plane with a receiver that does not load:
+    the engine runs the same handshake and receive (or copy-out) path, minus layerwise
+    reload."""
+    specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in engine.source.metadata()]
+    plan = engine._plan(specs)
+    info = json.dumps(engine._payload(specs, plan))
+    receive = BackgroundCall(
+        "discard",
+        requests.post,
+        url + "/collective_rpc",
+        None,
+        {"method": "bench_receive_discard", "kwargs": {"update_info": info}},
+    )
+    assert engine._agree(specs, receive)
+    bar = Progress(0, False, "")
+    engine._send(plan, receive, bar)
+    seconds = bar.close()
+    assert receive.result(600).status_code == 200
+    return seconds
+
+
+def median_transport_s(engine, url: str, repeats: int) -> float:
+    transport_s(engine, url)  # warm-up
+    return statistics.median(transport_s(engine, url) for _ in range(repeats))
