@@ -41,3 +41,4 @@ clean:
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/weight_sync.py
+	$(BIN)/python benchmarks/ipc_sync.py

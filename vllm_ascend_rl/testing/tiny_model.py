@@ -237,4 +237,10 @@ def load_hf_model(path: Path | str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    # from_pretrained maps the safetensors file; a trainer's parameters live in ordinary
+    # (anonymous, huge-page backed) memory, which copies ~1.7x faster than file pages.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
