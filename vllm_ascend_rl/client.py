@@ -53,7 +53,6 @@ class EngineControlClient:
         self.urls = [u.rstrip("/") for u in self.urls]
         self.node_rank = node_rank
         self.timeout_s = timeout_s
-        self.session = requests.Session()
 
     # -- plumbing ---------------------------------------------------------------------
     def _call(
@@ -66,7 +65,9 @@ class EngineControlClient:
         timeout_s: float | None = None,
     ) -> Any:
         try:
-            r = self.session.request(
+            # A fresh connection per call: after an unhandled server error Starlette closes
+            # the connection, and a reused keep-alive socket would fail the next call.
+            r = requests.request(
                 method, url + route, params=params, json=json, timeout=timeout_s or self.timeout_s
             )
         except requests.RequestException as e:
