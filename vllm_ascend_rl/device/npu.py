@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -60,6 +61,15 @@ class NpuDevice(Device):
 
     def synchronize(self) -> None:
         torch.npu.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.npu.empty_cache()
+
+    def read_device(self, addr: int, out: torch.Tensor) -> None:
+        _acl_memcpy(out.data_ptr(), addr, out.numel() * out.element_size(), _D2H)
+
+    def write_device(self, addr: int, src: torch.Tensor) -> None:
+        _acl_memcpy(addr, src.data_ptr(), src.numel() * src.element_size(), _H2D)
 
     def location(self) -> dict[str, str]:
         """Physical chip: ASCEND_RT_VISIBLE_DEVICES maps logical indices to chips."""
@@ -140,3 +150,35 @@ class NpuDevice(Device):
             raise IpcHandleError(f"cannot open NPU IPC handle {handle.get('id')}: {e}") from e
         holder = [tensor]
         return ImportedBuffer(tensor, holder.clear)
+
+
+# ACL memcpy kinds (aclrtMemcpyKind): host-to-device 1, device-to-host 2.
+_H2D, _D2H = 1, 2
+
+
+def _acl_memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
+    import acl  # pyACL, shipped with CANN
+
+    ret = acl.rt.memcpy(dst, nbytes, src, nbytes, kind)
+    if ret != 0:
+        raise RuntimeError(f"aclrtMemcpy of {nbytes} bytes failed with ACL error {ret}")
+
+
+_POOLS: dict = {}  # tag -> (pool, allocator): kept alive for the process (pytorch#146431)
+
+
+@contextmanager
+def pluggable_pool(allocator):
+    """Route torch_npu allocations inside the block through the ACL VMM entry points of
+    ``vllm_ascend_rl._C``, which report each allocation to ``allocator`` (tagged)."""
+    from vllm_ascend_rl import _C
+
+    _torch_npu()
+    tag = allocator._current_tag
+    if tag not in _POOLS:
+        _C.acl_set_callbacks(allocator._on_malloc, allocator._on_free)
+        pluggable = torch.npu.memory.NPUPluggableAllocator(_C.__file__, _C.NPU_MALLOC, _C.NPU_FREE)
+        _POOLS[tag] = (torch.npu.memory.MemPool(pluggable._allocator), pluggable)
+    pool, _ = _POOLS[tag]
+    with torch.npu.memory.use_mem_pool(pool):
+        yield
