@@ -76,6 +76,7 @@ COMPONENTS: tuple[Component, ...] = (
         "NPUIPCTrainerWeightTransferEngine",
         init_info=f"{_IPC}:NPUIPCTrainerInitInfo",
     ),
+    Component("sleep_mode_backend", "camem", "vllm_ascend_rl.sleep.backend", "CaMemSleepBackend"),
 )
 
 # (factory, preferred name) -> name actually used in this process

@@ -1,0 +1,195 @@
+"""Sleep mode on CPU over HTTP: ``/sleep?level=1|2``, ``/wake_up?tags=...``, ``/is_sleeping``,
+with ``--worker-cls vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker`` (KV cache in host
+virtual memory from the ``camem`` allocator)."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import requests
+
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    StreamingCompletion,
+    TinyModelSpec,
+    VLLMServer,
+    build_tiny_model,
+    engine_args,
+    greedy_token_ids,
+)
+from vllm_ascend_rl.testing.tiny_model import parameter_shapes
+from vllm_ascend_rl.testing.trainer import TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
+SPEC = TinyModelSpec(
+    seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
+)  # ~210 MB of bf16 weights
+KV_GIB = 1
+PROBE = "Sleep and wake:"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_model(SPEC)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("sleep") / "server.log"
+    srv = VLLMServer(
+        model,
+        kv_cache_gib=KV_GIB,
+        log_path=log,
+        extra_args=[
+            *engine_args(),
+            "--worker-cls",
+            WORKER,
+            "--scheduler-cls",
+            PLUGIN_SCHEDULER,
+            "--weight-transfer-config",
+            '{"backend": "npu_ipc"}',
+        ],
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    return greedy_token_ids(server.url, PROBE, 24)
+
+
+@pytest.fixture
+def ctl(server, model):
+    client = EngineControlClient(server.url, timeout_s=300)
+    yield client
+    # Leave the engine awake, with valid weights, and resumed.
+    if client.is_sleeping():
+        try:
+            client.wake_up(["weights"])
+        except EngineControlError:
+            pass
+        client.reload_weights(str(model))
+        client.wake_up()
+    client.resume()
+
+
+def rss(server: VLLMServer) -> int:
+    return sum(psutil.Process(p).memory_info().rss for p in server.pids())
+
+
+def weight_bytes() -> int:
+    return sum(2 * n for n in (_numel(s) for _, s in parameter_shapes(SPEC)))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, baseline):
+    before = rss(server)
+    ctl.sleep(1)
+    assert ctl.is_sleeping() is True
+    freed = before - rss(server)
+    assert freed >= 0.9 * (KV_GIB << 30), f"freed {freed >> 20} MiB of a {KV_GIB} GiB KV cache"
+    ctl.wake_up()
+    assert ctl.is_sleeping() is False
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
+    server, ctl, baseline, model
+):
+    ctl.sleep(1)
+    asleep_level1 = rss(server)
+    ctl.wake_up()
+    ctl.sleep(2)
+    extra = asleep_level1 - rss(server)  # what level 2 frees beyond level 1: the weights
+    assert extra >= 0.5 * weight_bytes(), (
+        f"level 2 freed {extra >> 20} MiB more than level 1; weights are {weight_bytes() >> 20} MiB"
+    )
+    ctl.wake_up(["weights"])
+    ctl.reload_weights(str(model))
+    ctl.wake_up(["kv_cache"])
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+def test_level2_reload_by_a_weight_transfer(server, ctl, baseline, model, tmp_path):
+    with TrainerProcess(model, log_path=tmp_path / "trainer.log") as trainer:
+        trainer.init("npu_ipc", server.url, timeout_s=60)
+        ctl.sleep(2)  # the colocated trainer would train now
+        ctl.wake_up(["weights"])
+        trainer.send(weight_version="after-sleep")
+        ctl.wake_up(["kv_cache"])
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+def test_no_request_runs_on_discarded_weights(server, ctl, baseline, model):
+    ctl.sleep(2)
+    waiting = StreamingCompletion(server.url, PROBE, 24, ignore_eos=False)
+    waiting.start()
+    with pytest.raises(EngineControlError, match="weights were discarded by a level-2 sleep"):
+        ctl.wake_up()  # would let the request run on zeroed weights: refused
+    time.sleep(1.0)
+    assert waiting.is_alive() and waiting.num_tokens == 0
+    assert server.is_healthy()
+    ctl.wake_up(["weights"])
+    ctl.reload_weights(str(model))
+    ctl.wake_up(["kv_cache"])
+    waiting.join(120)
+    assert waiting.ok and waiting.token_ids == baseline
+
+
+def test_staged_wake_keeps_the_scheduler_paused_until_everything_is_awake(server, ctl, baseline):
+    ctl.sleep(1)
+    waiting = StreamingCompletion(server.url, PROBE, 24, ignore_eos=False)
+    waiting.start()
+    ctl.wake_up(["weights"])
+    assert ctl.is_sleeping() is True
+    time.sleep(1.0)
+    assert waiting.is_alive() and waiting.num_tokens == 0, "served before the KV cache woke"
+    ctl.wake_up(["kv_cache"])
+    waiting.join(120)
+    assert waiting.ok and waiting.token_ids == baseline
+    assert ctl.is_sleeping() is False
+
+
+def test_bad_and_repeated_calls_are_harmless(server, ctl, baseline):
+    r = requests.post(server.url + "/sleep", params={"level": 3}, timeout=60)
+    assert 400 <= r.status_code < 500, r.text
+    assert ctl.is_sleeping() is False
+    for _ in range(2):
+        assert (
+            requests.post(server.url + "/sleep", params={"level": 1}, timeout=120).status_code
+            == 200
+        )
+    assert ctl.is_sleeping() is True
+    for _ in range(2):
+        assert requests.post(server.url + "/wake_up", timeout=120).status_code == 200
+    assert ctl.is_sleeping() is False
+    assert requests.post(server.url + "/wake_up", timeout=120).status_code == 200  # awake
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+def test_fifty_cycles_keep_memory_and_output(server, ctl, baseline):
+    ctl.sleep(1)
+    ctl.wake_up()
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+    start = rss(server)
+    for i in range(50):
+        ctl.sleep(1)
+        ctl.wake_up()
+        if i % 10 == 9:
+            assert greedy_token_ids(server.url, PROBE, 24) == baseline, f"cycle {i + 1}"
+    growth = rss(server) / start - 1
+    print(f"RSS growth over 50 sleep/wake cycles: {growth:.4%}")
+    assert growth < 0.01, f"RSS grew {growth:.2%} over 50 cycles"

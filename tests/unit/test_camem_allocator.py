@@ -1,0 +1,199 @@
+"""CaMemAllocator on the host back end (memfd + mmap) and the C++ extension itself."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from vllm_ascend_rl import _C
+from vllm_ascend_rl.sleep import allocator as allocator_mod
+from vllm_ascend_rl.sleep.allocator import CaMemAllocator, SleepError
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+@pytest.fixture
+def alloc():
+    a = CaMemAllocator("host")
+    yield a
+    for addr in list(a.allocations):
+        a.free(addr)
+
+
+def fill(a: CaMemAllocator, allocation, value: int) -> torch.Tensor:
+    t = a.tensor(allocation)
+    t.fill_(value)
+    return t
+
+
+def test_addresses_survive_sleep_and_contents_follow_the_tags(alloc):
+    w = alloc.allocate(4 * MiB, "weights")
+    kv = alloc.allocate(8 * MiB, "kv_cache")
+    tw, tkv = fill(alloc, w, 7), fill(alloc, kv, 9)
+    ptrs = (tw.data_ptr(), tkv.data_ptr())
+    alloc.sleep(offload_tags=("weights",))
+    assert alloc.get_current_usage() == 0 and not alloc.is_awake("weights")
+    alloc.wake_up()
+    assert (tw.data_ptr(), tkv.data_ptr()) == ptrs  # the same tensors, the same addresses
+    assert torch.all(tw == 7), "offloaded tag must be restored"
+    assert torch.all(tkv == 0), "discarded tag must wake zero-filled"
+    assert alloc.get_current_usage() == 12 * MiB
+
+
+def test_sleep_gives_the_memory_back_and_wake_takes_it_again(alloc):
+    before = rss()
+    kv = alloc.allocate(256 * MiB, "kv_cache")  # populated: resident like torch.zeros
+    assert rss() - before > 240 * MiB
+    alloc.sleep()
+    assert rss() - before < 16 * MiB
+    alloc.wake_up(["kv_cache"])
+    fill(alloc, kv, 1)
+    assert rss() - before > 240 * MiB
+
+
+def test_backups_are_allocated_once_and_reused(alloc):
+    w = alloc.allocate(2 * MiB, "weights")
+    fill(alloc, w, 3)
+    alloc.sleep(offload_tags="weights")
+    backup = w.backup
+    assert backup is not None and backup.numel() == w.size
+    for value in (4, 5):
+        alloc.wake_up("weights")
+        fill(alloc, w, value)
+        alloc.sleep(offload_tags="weights")
+        assert w.backup is backup and w.backup.data_ptr() == backup.data_ptr()
+    alloc.wake_up()
+    assert torch.all(alloc.tensor(w) == 5)
+
+
+def test_waking_an_awake_tag_is_a_no_op(alloc):
+    kv = alloc.allocate(MiB, "kv_cache")
+    t = fill(alloc, kv, 6)
+    handle = kv.handle
+    alloc.wake_up()
+    alloc.wake_up(["kv_cache"])
+    assert kv.handle == handle and torch.all(t == 6)
+    alloc.sleep()
+    alloc.wake_up(["weights"])  # another tag: kv stays asleep
+    assert not kv.awake
+
+
+class FailingVmm:
+    """The real extension, except that the n-th ``create`` fails like an out-of-memory."""
+
+    VmmError = _C.VmmError
+
+    def __init__(self, fail_on_create: int) -> None:
+        self.creates, self.fail_on = 0, fail_on_create
+
+    def __getattr__(self, name):
+        return getattr(_C, name)
+
+    def create(self, *args):
+        self.creates += 1
+        if self.creates == self.fail_on:
+            raise _C.VmmError(12, "Cannot allocate memory (injected)")
+        return _C.create(*args)
+
+
+def test_a_wake_that_fails_halfway_rolls_back_to_a_clean_asleep_state():
+    vmm = FailingVmm(fail_on_create=5)  # 3 allocations, then the 2nd create of the wake
+    a = CaMemAllocator("host", vmm=vmm)
+    try:
+        allocs = [a.allocate(MiB, "kv_cache") for _ in range(3)]
+        a.sleep()
+        with pytest.raises(SleepError, match=r"rolled back.*injected"):
+            a.wake_up()
+        assert all(not x.awake for x in allocs) and a.get_current_usage() == 0
+        a.wake_up()  # and it can still wake afterwards
+        assert all(x.awake for x in allocs)
+    finally:
+        for addr in list(a.allocations):
+            a.free(addr)
+
+
+def test_discard_releases_without_keeping_contents(alloc):
+    w = alloc.allocate(MiB, "weights")
+    fill(alloc, w, 8)
+    alloc.discard(["weights"])
+    assert not w.awake and w.backup is None
+    alloc.wake_up()
+    assert torch.all(alloc.tensor(w) == 0)
+
+
+def test_out_of_memory_is_an_exception_not_a_crash(alloc):
+    with pytest.raises(SleepError, match=r"host VMM create failed.*Cannot allocate memory"):
+        alloc.allocate(64 << 30, "kv_cache")  # reservable, more than the host can commit
+    assert alloc.allocations == {}
+
+
+def test_cpu_memory_pool_serves_factory_calls_from_the_allocator(alloc):
+    with alloc.use_memory_pool("kv_cache"):
+        buf = torch.zeros(3 * MiB, dtype=torch.int8)
+        small = torch.empty(4, 4)
+    assert buf.shape == (3 * MiB,) and torch.all(buf == 0)
+    owners = {
+        a.tag for a in alloc.allocations.values() if a.addr <= buf.data_ptr() < a.addr + a.size
+    }
+    assert owners == {"kv_cache"}
+    assert small.shape == (4, 4)
+    outside = torch.zeros(10)
+    assert not any(
+        a.addr <= outside.data_ptr() < a.addr + a.size for a in alloc.allocations.values()
+    )
+
+
+def test_expandable_segments_are_refused_with_what_to_change(monkeypatch):
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(SleepError, match="expandable_segments:False"):
+        allocator_mod._refuse_expandable_segments()
+    monkeypatch.setenv("PYTORCH_NPU_ALLOC_CONF", "expandable_segments:False")
+    allocator_mod._refuse_expandable_segments()
+
+
+def test_unknown_back_end_is_a_clear_error():
+    with pytest.raises(SleepError, match="'acl' is not available"):
+        CaMemAllocator("acl")
+
+
+def test_extension_errors_carry_the_code():
+    with pytest.raises(_C.VmmError) as e:
+        _C.map("host", 4096, 4096, 987654)
+    assert e.value.args[0] == 9 and e.value.op == "host.map"  # EBADF
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_acl_back_end_compiles_against_the_declarations_header():
+    """vmm_acl.cpp is only built where CANN is installed; this keeps it from rotting."""
+    include = sysconfig.get_paths()["include"]
+    for source in ("vmm_acl.cpp", "vmm_module.cpp"):
+        subprocess.run(
+            [
+                "g++",
+                "-fsyntax-only",
+                "-std=c++17",
+                "-Wall",
+                "-Werror",
+                "-DVLLM_ASCEND_RL_WITH_ACL=1",
+                f"-I{REPO / 'csrc'}",
+                f"-I{REPO / 'csrc' / 'acl_decls'}",
+                f"-I{include}",
+                str(REPO / "csrc" / source),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    assert os.path.isfile(REPO / "csrc" / "acl_decls" / "acl" / "acl.h")

@@ -1,0 +1,44 @@
+"""The ``camem`` sleep-mode backend: vLLM's /sleep and /wake_up on :class:`CaMemAllocator`.
+
+Registered in vLLM's ``SleepModeBackendFactory`` by ``vllm_ascend_rl.register()`` (as
+``ascend_rl_camem`` if the name is taken). Level semantics follow vLLM: level 1 keeps the
+weights (offloaded to host memory, restored on wake) and releases the KV cache; level 2
+releases everything, and the weights must be reloaded after waking them.
+"""
+
+from __future__ import annotations
+
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
+
+from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+
+
+class CaMemSleepBackend(SleepModeBackend):
+    def __init__(self, allocator: CaMemAllocator | None = None) -> None:
+        super().__init__()
+        self.allocator = allocator or CaMemAllocator.get_instance()
+
+    def suspend(self, level: int = 1) -> None:
+        self._state = "SUSPENDED"
+        self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+
+    def resume(self, tags: list[str] | None = None) -> None:
+        self._state = "RESUMING"
+        self.allocator.wake_up(tags)
+        self._state = (
+            "RUNNING"
+            if all(self.allocator.is_awake(t) for t in self.allocator.tags())
+            else "SUSPENDED"
+        )
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        self.allocator.discard(tags)
+        self._state = "SUSPENDED"
+
+    @classmethod
+    def preserves_communicators(cls) -> bool:
+        return True  # collective groups are not allocated from the sleep pools
+
+    @classmethod
+    def preserves_compiled_artifacts(cls) -> bool:
+        return True  # every tensor keeps its address across sleep and wake

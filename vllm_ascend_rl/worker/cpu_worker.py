@@ -1,0 +1,122 @@
+"""SleepableCPUWorker: vLLM's CPU worker with a real /sleep and /wake_up.
+
+Enable it with ``--worker-cls vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker``. The KV
+cache (one buffer; every layer's cache is a view of it) lives in host virtual memory from the
+``camem`` allocator and is resident while serving, like upstream's. ``/sleep?level=1`` releases
+it and ``/wake_up`` maps it back at the same address, zero-filled (the sleep's pause already
+reset the prefix cache). On CPU the weights already live in host memory, so level 1 keeps them;
+level 2 also discards them (parameters and the CPU linear layers' packed copies). After a level-2
+sleep, waking ``weights`` gives back zeroed parameters that must be reloaded (a weight transfer,
+or ``reload_weights`` from disk) before the KV cache may wake: a wake that would let requests
+run on discarded weights is refused with an error that says what to do, and queued requests
+wait. Staged wake (``tags=weights``, then ``kv_cache``) works; vLLM keeps the scheduler paused
+until every tag is awake.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from vllm_ascend_rl._registration import registered_name
+from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+
+logger = init_logger(__name__)
+
+RELOAD_HINT = (
+    "the weights were discarded by a level-2 sleep: wake them "
+    "(/wake_up?tags=weights), load new ones (a weight transfer, or reload_weights "
+    "from disk), then wake the KV cache (/wake_up?tags=kv_cache)"
+)
+
+
+def _discarded_linear(*_args, **_kwargs):
+    raise RuntimeError(f"linear layer used after its weights were discarded: {RELOAD_HINT}")
+
+
+class SleepableCPUWorker(CPUWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # vLLM's Worker builds its sleep backend from model_config.sleep_mode_backend.
+        self.vllm_config.model_config.sleep_mode_backend = registered_name(
+            "sleep_mode_backend", "camem"
+        )
+        self.allocator = CaMemAllocator.get_instance("host")
+        self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
+        self._needs_reload = False
+
+    def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
+        # Only the KV cache goes to host virtual memory; CPU weights stay torch tensors.
+        return self.allocator.use_memory_pool(tag) if tag == "kv_cache" else nullcontext()
+
+    # -- sleep / wake ------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        before = self.allocator.get_current_usage()
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None and hasattr(engine, "release_buffers"):
+            engine.release_buffers()
+        if level >= 2:
+            self._discard_weights()
+        self.sleep_mode_backend.suspend(level)
+        gc.collect()
+        get_device("cpu").empty_cache()
+        logger.info(
+            "sleep level %d: released %.1f MiB of KV cache%s",
+            level,
+            (before - self.allocator.get_current_usage()) / 2**20,
+            f" and {sum(self._discarded.values()) / 2**20:.1f} MiB of parameters"
+            if level >= 2
+            else "",
+        )
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+        if "weights" in wanted and self._discarded:
+            self._restore_weight_storage()
+        if "kv_cache" in wanted and self._needs_reload:
+            raise RuntimeError(f"refusing to wake the KV cache: {RELOAD_HINT}")
+        self.sleep_mode_backend.resume(tags)
+
+    def discard(self, tags: tuple[str, ...]) -> None:
+        if "weights" in tags:
+            self._discard_weights()
+        self.sleep_mode_backend.discard(tuple(t for t in tags if t != "weights"))
+
+    # -- a reload makes the weights valid again ----------------------------------------
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        self._needs_reload = False
+
+    def reload_weights(self, *args, **kwargs) -> None:
+        super().reload_weights(*args, **kwargs)
+        self._needs_reload = False
+
+    # -- level-2 weight discard --------------------------------------------------------
+    @torch.no_grad()
+    def _discard_weights(self) -> None:
+        if self._discarded:
+            return
+        model = self.model_runner.get_model()
+        for module in model.modules():
+            if hasattr(module, "cpu_linear"):  # the packed (oneDNN/SGL) copy of the weight
+                module.cpu_linear = _discarded_linear
+        for param in model.parameters():
+            nbytes = param.untyped_storage().nbytes()
+            if nbytes:
+                self._discarded[param] = nbytes
+                param.untyped_storage().resize_(0)  # gives the memory back
+        self._needs_reload = True
+
+    @torch.no_grad()
+    def _restore_weight_storage(self) -> None:
+        """Give every discarded parameter zeroed storage of its old size; a reload fills it
+        (layerwise reload copies into these tensors and rebuilds the packed linears)."""
+        for param, nbytes in self._discarded.items():
+            param.untyped_storage().resize_(nbytes)
+            param.zero_()
+        self._discarded.clear()
