@@ -42,3 +42,4 @@ clean:
 bench: $(STAMP)
 	$(BIN)/python benchmarks/weight_sync.py
 	$(BIN)/python benchmarks/ipc_sync.py
+	$(BIN)/python benchmarks/sleep_wake.py
