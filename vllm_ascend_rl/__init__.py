@@ -18,12 +18,11 @@ def register() -> dict[str, str | None]:
     global _registered
     if _registered is not None:
         return _registered
-    from vllm.logger import init_logger
-
     from vllm_ascend_rl._registration import register_all
+    from vllm_ascend_rl.logs import get_logger
 
     _registered = register_all()
-    init_logger(__name__).info(
+    get_logger(__name__).info(
         "vllm_ascend_rl %s registered: %s",
         __version__,
         ", ".join(f"{k} as {v!r}" for k, v in _registered.items()) or "nothing yet",

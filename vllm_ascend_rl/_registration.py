@@ -12,9 +12,9 @@ import importlib
 import sys
 from dataclasses import dataclass
 
-from vllm.logger import init_logger
+from vllm_ascend_rl.logs import get_logger
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 _TAG = "__vllm_ascend_rl__"
 

@@ -29,9 +29,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferInitInfo,
 )
-from vllm.logger import init_logger
 
 from vllm_ascend_rl._registration import registered_name
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -60,7 +60,7 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     check_world_size,
 )
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 DIRECT_BYTES = 8 << 20  # tensors above this skip the staging copy even when packed
 

@@ -30,10 +30,10 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
     WeightTransferInitInfo,
 )
-from vllm.logger import init_logger
 
 from vllm_ascend_rl._registration import registered_name
 from vllm_ascend_rl.device import ExportedBuffer, ImportedBuffer, IpcHandleError
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -58,7 +58,7 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     WeightSyncError,
 )
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 # Staging copies stream best in cache-friendly pieces: with a 1 GB model on CPU, 16-32 MiB
 # buckets moved the data in 1.8-2.3x one memcpy, 256 MiB buckets in 2.8x (benchmarks/).

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import torch
 from vllm.config import ModelConfig
-from vllm.logger import init_logger
 from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
 from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
-logger = init_logger(__name__)
+from vllm_ascend_rl.logs import get_logger
+
+logger = get_logger(__name__)
 
 
 class LayerwiseReload:

@@ -21,14 +21,14 @@ from vllm.distributed.weight_transfer.base import (
     VLLMWeightSyncClient,
     WeightSource,
 )
-from vllm.logger import init_logger
 
 from vllm_ascend_rl.device import Device, current_device
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class WeightSyncError(RuntimeError):

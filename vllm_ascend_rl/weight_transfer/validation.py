@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from vllm.logger import init_logger
 
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_name
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 
 class WeightUpdateRefused(ValueError):

@@ -19,14 +19,14 @@ import gc
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ascend_rl._registration import registered_name
 from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
-logger = init_logger(__name__)
+logger = get_logger(__name__)
 
 RELOAD_HINT = (
     "the weights were discarded by a level-2 sleep: wake them "

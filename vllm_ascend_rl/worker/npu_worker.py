@@ -27,14 +27,14 @@ _cls: type | None = None
 
 def _build_class() -> type:
     import torch
-    from vllm.logger import init_logger
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
 
     from vllm_ascend_rl.device import get_device
+    from vllm_ascend_rl.logs import get_logger
     from vllm_ascend_rl.sleep.allocator import CaMemAllocator
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
 
-    logger = init_logger(__name__)
+    logger = get_logger(__name__)
 
     class SleepableNPUWorker(NPUWorker):
         def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -1,0 +1,16 @@
+"""Loggers whose lines reach the vLLM server log.
+
+vLLM configures a handler only for the ``vllm`` logger tree, so a logger named
+``vllm_ascend_rl.x`` would drop its INFO lines in a server; ``vllm.vllm_ascend_rl.x`` propagates
+to vLLM's handler and formats like vLLM's own lines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+
+def get_logger(name: str) -> logging.Logger:
+    from vllm.logger import init_logger
+
+    return init_logger(name if name.startswith("vllm.") else f"vllm.{name}")
