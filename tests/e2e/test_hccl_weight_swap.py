@@ -56,6 +56,7 @@ class TestHCCLWeightSwap(WeightSyncCases):
         """The version given to send_weights() reaches finish_weight_update: vLLM's
         per-output weight-version spans split one request's tokens into v1's and v2's."""
         self.init(trainer, engine)
+        total = 1500  # long enough that the pause lands mid-stream on a loaded machine
         tokens: list[int] = []
         final: dict = {}
         errors: list[BaseException] = []
@@ -66,7 +67,7 @@ class TestHCCLWeightSwap(WeightSyncCases):
                 "model": "tiny",
                 "token_ids": [11, 12, 13, 14],
                 "stream": True,
-                "sampling_params": {"max_tokens": 300, "temperature": 0, "ignore_eos": True},
+                "sampling_params": {"max_tokens": total, "temperature": 0, "ignore_eos": True},
             }
             try:
                 with requests.post(
@@ -94,10 +95,10 @@ class TestHCCLWeightSwap(WeightSyncCases):
         trainer.send(weight_version="v2")
         ctl.resume()
         thread.join(300)
-        assert len(tokens) == 300 and 0 < split < 300
+        assert len(tokens) == total and 0 < split < total
         assert final["weight_versions"] == [
             {"version": "v1", "start": 0, "end": split},
-            {"version": "v2", "start": split, "end": 300},
+            {"version": "v2", "start": split, "end": total},
         ]
         assert requests.get(engine.url + "/weight_info", timeout=10).json() == {
             "weight_version": "v2"

@@ -78,11 +78,14 @@ def swap_mid_generation(
     """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
     e.g. the trainer's step, has returned); ``sync()``; resume.
 
-    On a loaded machine the client can see tokens long after the server produced them, so a
-    pause may land after the requests finished. Then nothing is synced: the server resumes and
-    the round is retried with twice the tokens, up to ``attempts`` times.
+    On a loaded machine the client can see tokens long after the server produced them, so
+    waiting for ``min_tokens`` on the client may be too late. The pause therefore probes:
+    after ``before_pause()``, pause and look at the settled counts; too few tokens → resume
+    and pause again a little later (a pause/resume without a sync is harmless); a request
+    already finished → resume and retry the round with a shorter first probe.
     """
     ctl = EngineControlClient(url, timeout_s=timeout_s)
+    probe_s = 0.05
     for attempt in range(attempts):
         streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
         # Admit the requests together (queued behind a pause): they decode in lockstep.
@@ -91,21 +94,24 @@ def swap_mid_generation(
             s.start()
         time.sleep(0.3)
         ctl.resume()
-        for s in streams:
-            if not s.wait_for_tokens(min_tokens, timeout_s=timeout_s):
-                raise RuntimeError(f"a request never reached {min_tokens} tokens: {s.error}")
-        if before_pause is not None:
+        if before_pause is not None:  # e.g. the trainer finishing its step while we decode
             before_pause()
             before_pause = None
-        t0 = time.perf_counter()
-        ctl.pause("keep", clear_cache=clear_cache)
-        t1 = time.perf_counter()
-        split = _settle(streams)
+        for _probe in range(40):
+            time.sleep(probe_s)
+            t0 = time.perf_counter()
+            ctl.pause("keep", clear_cache=clear_cache)
+            t1 = time.perf_counter()
+            split = _settle(streams)
+            if min(split) >= min_tokens or max(split) >= max_tokens:
+                break
+            ctl.resume()
+            probe_s = min(2 * probe_s, 1.0)
         if max(split) >= max_tokens and attempt + 1 < attempts:
-            ctl.resume()  # too late: a request already finished; retry, longer
+            ctl.resume()  # too late: a request already finished; retry, probing sooner
             for s in streams:
                 s.join(timeout_s)
-            max_tokens *= 2
+            probe_s = 0.01
             continue
         t2 = time.perf_counter()
         result = sync()
