@@ -1,24 +1,137 @@
 """Schedulers for async RL, loaded with ``--scheduler-cls``.
 
 They are thin subclasses of vLLM's own schedulers on purpose. ``schedule()``,
-``update_from_output()``, ``set_pause_state()`` and ``finish_requests()`` are inherited, never
-copied, so ``/pause`` (``abort``/``wait``/``keep``), ``/resume`` and ``/is_paused`` run upstream's
-code: PAUSED_ALL zeroes the token budget and PAUSED_NEW closes the waiting queue exactly as in
-vLLM. vllm-ascend forked ~1,100 lines of these methods and has chased upstream drift since; a
-subclass that only overrides hooks cannot drift that way.
+``update_from_output()``, ``set_pause_state()`` and ``finish_requests()`` run upstream's code
+(the two overrides below only wrap it), so ``/pause`` (``abort``/``wait``/``keep``), ``/resume``
+and ``/is_paused`` behave exactly as in vLLM: PAUSED_ALL zeroes the token budget and PAUSED_NEW
+closes the waiting queue. vllm-ascend forked ~1,100 lines of these methods and has chased
+upstream drift since; a subclass that only overrides hooks cannot drift that way.
+
+Recompute policy (``--additional-config '{"ascend_rl": {"recompute_mode": "bounce"}}'``):
+
+- ``local`` (default): upstream preemption; a KV-starved victim is re-prefilled here later.
+- ``bounce``: a victim that ``schedule()`` preempts because KV blocks ran out is finished with
+  ``finish_reason="stop"``, ``stop_reason="recomputed"``, carrying the tokens it generated, so
+  a router (:mod:`vllm_ascend_rl.router`) resends prompt + generated tokens to another engine.
+  The victim is upstream's choice (FCFS: the last running; PRIORITY: the lowest priority).
+  Preemptions from outside ``schedule()`` (``reset_prefix_cache(reset_running_requests=True)``
+  during a pause with ``clear_cache`` or a weight update) are never bounced: they are how
+  ``pause(keep)`` keeps requests alive across a weight swap.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_ascend_rl.logs import get_logger
+
+logger = get_logger(__name__)
+
+CONFIG_KEY = "ascend_rl"
+RECOMPUTE_MODES = ("local", "bounce")
+BOUNCE_STOP_REASON = "recomputed"
+
+
+def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
+    """The validated ``recompute_mode``: a bad value fails engine start-up, not a request."""
+    section = (additional_config or {}).get(CONFIG_KEY, {})
+    if not isinstance(section, dict):
+        raise ValueError(
+            f"--additional-config: {CONFIG_KEY!r} must be an object such as "
+            f'{{"{CONFIG_KEY}": {{"recompute_mode": "bounce"}}}}, got {section!r}'
+        )
+    unknown = set(section) - {"recompute_mode"}
+    if unknown:
+        raise ValueError(
+            f"--additional-config: unknown {CONFIG_KEY} key(s) {sorted(unknown)}; "
+            "known: ['recompute_mode']"
+        )
+    mode = section.get("recompute_mode", "local")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"--additional-config: {CONFIG_KEY}.recompute_mode must be one of "
+            f"{list(RECOMPUTE_MODES)}, got {mode!r}"
+        )
+    return mode
 
 
 class RecomputeScheduler(Scheduler):
-    """vLLM's synchronous scheduler, the base every recompute policy hooks into.
+    """vLLM's synchronous scheduler plus the recompute policy.
 
     CPU hosts force synchronous scheduling, so this is what runs there by default.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.recompute_mode = recompute_mode_from(self.vllm_config.additional_config)
+        self.num_bounced = 0
+        self._in_schedule = False
+        self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
+        if self.recompute_mode != "local":
+            logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        # Marks the only preemptions that may bounce: the ones upstream's loop makes for blocks.
+        self._in_schedule = True
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self._in_schedule = False
+
+    def _preempt_request(
+        self, request: Request, timestamp: float, drop_stale_output: bool = False
+    ) -> None:
+        if self._in_schedule and self.recompute_mode == "bounce":
+            self._bounce(request)
+        else:
+            super()._preempt_request(request, timestamp, drop_stale_output)
+
+    def _bounce(self, request: Request) -> None:
+        """Finish the victim instead of requeueing it. Freeing it returns its blocks for the
+        allocation that preempted it and puts its id in this step's ``finished_req_ids``, so
+        the worker drops it; tokens still in flight for it (async scheduling) are discarded."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = BOUNCE_STOP_REASON
+        self._free_request(request)
+        self._bounced.append(request)
+        self.num_bounced += 1
+        logger.info(
+            "bounced %s after %d generated tokens (KV cache full; %d bounced so far)",
+            request.request_id,
+            request.num_output_tokens,
+            self.num_bounced,
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        # A bounce is its own output with no tokens: with tokens attached, a "stop" finish
+        # makes the detokenizer drop the last token from the text.
+        for request in self._bounced:
+            outputs.setdefault(request.client_index, EngineCoreOutputs(outputs=[])).outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    stop_reason=request.stop_reason,
+                    events=request.take_events(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+        self._bounced.clear()
+        return outputs
+
+    def has_requests(self) -> bool:
+        # Keeps the engine stepping until a bounce's output is delivered.
+        return bool(self._bounced) or super().has_requests()
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
@@ -28,4 +141,9 @@ class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
     """
 
 
-__all__ = ["AsyncRecomputeScheduler", "RecomputeScheduler"]
+__all__ = [
+    "BOUNCE_STOP_REASON",
+    "AsyncRecomputeScheduler",
+    "RecomputeScheduler",
+    "recompute_mode_from",
+]
