@@ -1,7 +1,8 @@
 """The seed's pause/resume e2e matrix against a real vLLM CPU server.
 
-Every test runs twice: with the plugin's ``AsyncRecomputeScheduler`` and with vLLM's default
-scheduler, so any divergence of the plugin from upstream behaviour shows up as a failure.
+Every test runs three times: with the plugin's ``AsyncRecomputeScheduler`` (``local`` and
+``bounce`` recompute modes) and with vLLM's default scheduler, so any divergence of the plugin
+from upstream behaviour shows up as a failure (a bounced pause would show as an early finish).
 Every test leaves the server resumed.
 """
 
@@ -29,11 +30,13 @@ LONG = 1500  # tokens: several seconds of decoding, so a pause lands mid-stream
 OBSERVE_S = 1.0  # window in which a paused engine must produce nothing
 
 
-@pytest.fixture(scope="module", params=["plugin", "default"])
+@pytest.fixture(scope="module", params=["plugin", "plugin-bounce", "default"])
 def server(request, tiny_model, tmp_path_factory):
     args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    if request.param == "plugin":
+    if request.param.startswith("plugin"):
         args += ["--scheduler-cls", PLUGIN_SCHEDULER]
+    if request.param == "plugin-bounce":
+        args += ["--additional-config", '{"ascend_rl": {"recompute_mode": "bounce"}}']
     log = tmp_path_factory.mktemp("logs") / f"server-{request.param}.log"
     srv = VLLMServer(tiny_model, extra_args=args, log_path=log)
     srv.start()
@@ -64,7 +67,8 @@ def is_paused(server: VLLMServer) -> bool:
 def test_server_runs_the_requested_scheduler(server):
     log = server.log_path.read_text(errors="replace")
     uses_plugin = f"Using custom scheduler class {PLUGIN_SCHEDULER}" in log
-    assert uses_plugin == (server.scheduler_kind == "plugin")
+    assert uses_plugin == server.scheduler_kind.startswith("plugin")
+    assert ("recompute_mode=bounce" in log) == (server.scheduler_kind == "plugin-bounce")
 
 
 def test_pause_resume_state_is_idempotent_across_cycles(server, ctl):

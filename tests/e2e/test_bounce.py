@@ -1,0 +1,240 @@
+"""``recompute_mode=bounce`` and the router, against real vLLM CPU servers.
+
+One engine has a tiny KV cache (``--num-gpu-blocks-override``) and bounces; a second,
+unconstrained server with vLLM's default scheduler is the greedy reference. Requests are
+queued behind a pause and admitted together, so the cache is overcommitted for certain.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    ServerStartError,
+    StreamingCompletion,
+    VLLMServer,
+    complete,
+    engine_args,
+    free_port,
+    greedy_token_ids,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+BOUNCE = json.dumps({"ascend_rl": {"recompute_mode": "bounce"}})
+BLOCKS = 24  # x 32 tokens; one is the null block
+MAX_TOKENS = 300
+PROMPTS = [f"Request {i}: tell me about the number {i * 37 % 101} and why" for i in range(10)]
+
+
+def bounce_engine_args(mode: str = BOUNCE) -> list[str]:
+    return [
+        *engine_args(),
+        "--scheduler-cls",
+        PLUGIN_SCHEDULER,
+        "--block-size",
+        "32",
+        "--num-gpu-blocks-override",
+        str(BLOCKS),
+        "--max-num-seqs",
+        "8",
+        "--additional-config",
+        mode,
+    ]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    engine = VLLMServer(
+        tiny_model,
+        max_model_len=512,
+        extra_args=bounce_engine_args(),
+        log_path=logs / "bounce.log",
+    )
+    reference = VLLMServer(tiny_model, extra_args=engine_args(), log_path=logs / "reference.log")
+    try:
+        engine.start(wait=False)
+        reference.start(wait=False)
+        engine.wait_healthy()
+        reference.wait_healthy()
+        yield engine, reference
+    finally:
+        engine.stop()
+        reference.stop()
+
+
+@pytest.fixture(scope="module")
+def references(servers) -> dict[str, list[int]]:
+    _, reference = servers
+    return {p: greedy_token_ids(reference.url, p, MAX_TOKENS) for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    engine, reference = servers
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_ascend_rl.router",
+            "--engines",
+            f"{engine.url},{reference.url}",
+            "--port",
+            str(port),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if requests.get(url + "/router/stats", timeout=2).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "router did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def admitted_together(engine: VLLMServer, send) -> None:
+    """Queue every request behind a pause, then resume: they are admitted in one step."""
+    ctl = EngineControlClient(engine.url, timeout_s=120)
+    ctl.pause("keep")
+    try:
+        send()
+        time.sleep(1.0)  # the requests reach the engine's waiting queue
+    finally:
+        ctl.resume()
+
+
+def run_concurrently(fns) -> list:
+    results = [None] * len(fns)
+
+    def run(i, fn):
+        try:
+            results[i] = fn()
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_an_unknown_recompute_mode_fails_start_up_clearly(tiny_model, tmp_path):
+    bad = VLLMServer(
+        tiny_model,
+        max_model_len=512,
+        extra_args=bounce_engine_args(json.dumps({"ascend_rl": {"recompute_mode": "sideways"}})),
+        log_path=tmp_path / "bad.log",
+    )
+    with pytest.raises(ServerStartError):
+        bad.start()
+    bad.stop()
+    assert "recompute_mode must be one of ['local', 'bounce'], got 'sideways'" in (
+        bad.log_path.read_text(errors="replace")
+    )
+
+
+def test_kv_starved_requests_bounce_with_the_tokens_they_generated(servers, references):
+    engine, _ = servers
+    threads, results = [], []
+
+    def send():
+        nonlocal threads, results
+        threads, results = run_concurrently(
+            [lambda p=p: complete(engine.url, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[:8]]
+        )
+
+    admitted_together(engine, send)
+    for t in threads:
+        t.join(600)
+    bounced = 0
+    for prompt, res in zip(PROMPTS, results, strict=False):
+        assert isinstance(res, dict), res
+        choice = res["choices"][0]
+        tokens = choice["token_ids"]
+        if choice["finish_reason"] == "stop":
+            assert choice["stop_reason"] == "recomputed", choice
+            assert 0 < len(tokens) < MAX_TOKENS
+            bounced += 1
+        else:
+            assert choice["finish_reason"] == "length" and len(tokens) == MAX_TOKENS
+        assert tokens == references[prompt][: len(tokens)], "a bounce lost or changed tokens"
+    print(f"\n{bounced} of 8 requests bounced")
+    assert bounced >= 1
+    log = engine.log_path.read_text(errors="replace")
+    assert "bounced" in log and "KV cache full" in log
+    assert engine.is_healthy()
+
+
+def test_through_the_router_every_completion_equals_the_greedy_reference(
+    servers, references, router
+):
+    engine, _ = servers
+    before = requests.get(router + "/router/stats", timeout=10).json()["resends"]
+    streams = [StreamingCompletion(router, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[::2]]
+    threads, results = [], []
+
+    def send():
+        nonlocal threads, results
+        for s in streams:
+            s.start()
+        threads, results = run_concurrently(
+            [lambda p=p: complete(router, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[1::2]]
+        )
+
+    admitted_together(engine, send)
+    for t in [*threads, *streams]:
+        t.join(600)
+    for prompt, res in zip(PROMPTS[1::2], results, strict=True):
+        assert isinstance(res, dict), res
+        choice = res["choices"][0]
+        assert choice["finish_reason"] == "length", choice
+        assert choice["token_ids"] == references[prompt]
+        assert res["usage"]["completion_tokens"] == MAX_TOKENS
+        assert res["usage"]["prompt_tokens"] == len(choice["prompt_token_ids"])
+    for prompt, s in zip(PROMPTS[::2], streams, strict=True):
+        assert s.ok, s.error
+        assert s.finish_reason == "length" and s.stop_reason is None
+        assert s.token_ids == references[prompt]
+        assert s.usage["completion_tokens"] == MAX_TOKENS
+    resends = requests.get(router + "/router/stats", timeout=10).json()["resends"] - before
+    print(f"\nthe router resent {resends} bounced completions")
+    assert resends >= 1
+
+
+def test_router_refuses_what_it_cannot_stitch(router):
+    r = requests.post(
+        router + "/v1/completions",
+        json={"model": "tiny", "prompt": ["a", "b"], "max_tokens": 4},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "one prompt" in r.json()["error"]["message"]
+    r = requests.post(
+        router + "/v1/completions",
+        json={"model": "tiny", "prompt": "a", "max_tokens": 4, "n": 2},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "n=1" in r.json()["error"]["message"]
+    r = requests.get(router + "/v1/models", timeout=30)  # other paths are forwarded
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
