@@ -43,3 +43,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/weight_sync.py
 	$(BIN)/python benchmarks/ipc_sync.py
 	$(BIN)/python benchmarks/sleep_wake.py
+	$(BIN)/python benchmarks/scheduler_overhead.py
