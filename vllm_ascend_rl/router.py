@@ -20,6 +20,7 @@ import argparse
 import itertools
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +28,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_ascend_rl.core.recompute_scheduler import BOUNCE_STOP_REASON
+from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 
 
 class RouterError(Exception):
@@ -155,29 +156,34 @@ def merge_logprobs(acc: dict | None, new: dict | None, text_len: int) -> dict | 
 
 def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -> FastAPI:
     engines = Engines([u.rstrip("/") for u in urls])
-    app = FastAPI(title="vllm_ascend_rl router")
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    sessions: list[aiohttp.ClientSession] = []  # one, made inside the server's event loop
 
-    async def engine_call(url: str, body: dict) -> aiohttp.ClientResponse:
-        session = aiohttp.ClientSession(timeout=timeout)
-        resp = await session.post(url + "/v1/completions", json=body)
-        resp._router_session = session  # closed with the response
-        return resp
+    def session() -> aiohttp.ClientSession:
+        if not sessions:
+            sessions.append(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)))
+        return sessions[0]
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for s in sessions:
+            await s.close()
+
+    app = FastAPI(title="vllm_ascend_rl router", lifespan=lifespan)
 
     async def release(url: str, resp: aiohttp.ClientResponse) -> None:
         engines.in_flight[url] -= 1
         resp.release()
-        await resp._router_session.close()
 
     async def call(completion: Completion, stream: bool) -> tuple[str, aiohttp.ClientResponse]:
         url = engines.pick()
         engines.in_flight[url] = engines.in_flight.get(url, 0) + 1
         engines.requests[url] = engines.requests.get(url, 0) + 1
         try:
-            resp = await engine_call(url, completion.next_body(stream))
-        except Exception:
+            resp = await session().post(url + "/v1/completions", json=completion.next_body(stream))
+        except (aiohttp.ClientError, TimeoutError) as e:
             engines.in_flight[url] -= 1
-            raise
+            raise RouterError(502, f"engine {url} failed: {type(e).__name__}: {e}") from e
         if resp.status != 200:
             text = await resp.text()
             await release(url, resp)
@@ -190,6 +196,8 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
             url, resp = await call(completion, stream=False)
             try:
                 data = await resp.json()
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                raise RouterError(502, f"engine {url} failed mid-response: {e}") from e
             finally:
                 await release(url, resp)
             first = first or data
@@ -210,6 +218,17 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
         )
 
     async def stream(completion: Completion) -> AsyncIterator[bytes]:
+        """The stitched stream; a failure ends it with an error event, never silently."""
+        try:
+            async for event in stitched(completion):
+                yield event
+        except (RouterError, aiohttp.ClientError, TimeoutError) as e:
+            status = e.status if isinstance(e, RouterError) else 502
+            error = {"error": {"message": f"router: {e}", "code": status}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+    async def stitched(completion: Completion) -> AsyncIterator[bytes]:
         first_id, text_len = None, 0
         while True:
             url, resp = await call(completion, stream=True)
@@ -244,6 +263,8 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                         yield f"data: {json.dumps(chunk)}\n\n".encode()
             finally:
                 await release(url, resp)
+            if piece.finish_reason is None:
+                raise RouterError(502, f"engine {url} ended the stream without finishing it")
             if completion.absorb(piece):
                 engines.resends += 1
                 continue
@@ -274,17 +295,18 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         url = engines.pick()
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as session,
-            session.request(
+        try:
+            async with session().request(
                 request.method,
                 f"{url}/{path}",
                 data=await request.body(),
                 params=request.query_params,
                 headers={"content-type": request.headers.get("content-type", "application/json")},
-            ) as resp,
-        ):
-            return Response(await resp.read(), resp.status, media_type=resp.content_type)
+            ) as resp:
+                return Response(await resp.read(), resp.status, media_type=resp.content_type)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            message = f"engine {url} failed: {type(e).__name__}: {e}"
+            return JSONResponse({"error": {"message": message, "code": 502}}, 502)
 
     return app
 
@@ -295,11 +317,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--max-resends", type=int, default=16, help="per completion")
+    ap.add_argument("--timeout-s", type=float, default=3600, help="per engine call")
     args = ap.parse_args(argv)
     import uvicorn
 
     urls = [u for u in args.engines.split(",") if u]
-    uvicorn.run(build_app(urls, args.max_resends), host=args.host, port=args.port)
+    uvicorn.run(build_app(urls, args.max_resends, args.timeout_s), host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import requests
@@ -26,6 +28,7 @@ from vllm_ascend_rl.testing import (
     engine_args,
     free_port,
     greedy_token_ids,
+    serving,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -62,15 +65,8 @@ def servers(tiny_model, tmp_path_factory):
         log_path=logs / "bounce.log",
     )
     reference = VLLMServer(tiny_model, extra_args=engine_args(), log_path=logs / "reference.log")
-    try:
-        engine.start(wait=False)
-        reference.start(wait=False)
-        engine.wait_healthy()
-        reference.wait_healthy()
+    with serving(engine, reference):
         yield engine, reference
-    finally:
-        engine.stop()
-        reference.stop()
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +75,14 @@ def references(servers) -> dict[str, list[int]]:
     return {p: greedy_token_ids(reference.url, p, MAX_TOKENS) for p in PROMPTS}
 
 
-@pytest.fixture(scope="module")
-def router(servers):
-    engine, reference = servers
+@contextmanager
+def running_router(urls: list[str]) -> Iterator[str]:
+    """``python -m vllm_ascend_rl.router`` on a free port; killed by PID afterwards."""
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "vllm_ascend_rl.router",
-            "--engines",
-            f"{engine.url},{reference.url}",
-            "--port",
-            str(port),
+            *(sys.executable, "-m", "vllm_ascend_rl.router"),
+            *("--engines", ",".join(urls), "--port", str(port), "--timeout-s", "600"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -112,6 +103,13 @@ def router(servers):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    engine, reference = servers
+    with running_router([engine.url, reference.url]) as url:
+        yield url
 
 
 def admitted_together(engine: VLLMServer, send) -> None:
@@ -238,3 +236,15 @@ def test_router_refuses_what_it_cannot_stitch(router):
     assert r.status_code == 400 and "n=1" in r.json()["error"]["message"]
     r = requests.get(router + "/v1/models", timeout=30)  # other paths are forwarded
     assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny"
+
+
+def test_router_reports_a_dead_engine_clearly():
+    with running_router([f"http://127.0.0.1:{free_port()}"]) as url:  # nothing listens there
+        body = {"model": "tiny", "prompt": "a", "max_tokens": 4}
+        r = requests.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 502 and "failed" in r.json()["error"]["message"]
+        stream = StreamingCompletion(url, "a", 4, timeout_s=30)
+        stream.run()  # in this thread
+        assert stream.error and "failed" in stream.error and stream.finish_reason is None
+        assert requests.get(url + "/v1/models", timeout=30).status_code == 502
+        assert requests.get(url + "/router/stats", timeout=30).ok  # the router lives on

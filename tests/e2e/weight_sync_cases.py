@@ -20,6 +20,7 @@ from vllm_ascend_rl.testing import (
     engine_args,
     free_port,
     greedy_token_ids,
+    serving,
 )
 from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
 from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
@@ -89,15 +90,8 @@ class WeightSyncCases:
             ],
         )
         reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
-        try:
-            engine.start(wait=False)
-            reference.start(wait=False)
-            engine.wait_healthy()
-            reference.wait_healthy()
+        with serving(engine, reference):
             yield engine, reference
-        finally:
-            engine.stop()
-            reference.stop()
 
     @pytest.fixture(scope="class")
     def engine(self, servers):

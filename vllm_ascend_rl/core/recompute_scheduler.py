@@ -30,13 +30,13 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
+from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
 
 CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
-BOUNCE_STOP_REASON = "recomputed"
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:

@@ -3,7 +3,7 @@ tiny random-weight models, a vLLM server launcher and token-counting request hel
 
 import os
 
-from vllm_ascend_rl.testing.server import ServerStartError, VLLMServer, free_port
+from vllm_ascend_rl.testing.server import ServerStartError, VLLMServer, free_port, serving
 from vllm_ascend_rl.testing.streams import (
     StreamingCompletion,
     complete,
@@ -43,4 +43,5 @@ __all__ = [
     "free_port",
     "greedy_token_ids",
     "load_hf_model",
+    "serving",
 ]

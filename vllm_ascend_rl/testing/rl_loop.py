@@ -19,7 +19,7 @@ import torch
 from vllm_ascend_rl import testing
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.server import VLLMServer
+from vllm_ascend_rl.testing.server import VLLMServer, serving
 from vllm_ascend_rl.testing.tiny_model import TinyModelSpec, build_tiny_model, load_hf_model
 
 Connect = Callable[[str, torch.nn.Module, argparse.Namespace], Any]  # -> trainer engine
@@ -178,16 +178,9 @@ def demo_main(
         ],
     )
     reference = VLLMServer(checkpoints[2], extra_args=testing.engine_args())
-    try:
-        print(f"starting the engine (v1, {backend}) and a reference server (validation only) ...")
-        engine.start(wait=False)
-        reference.start(wait=False)
-        engine.wait_healthy()
-        reference.wait_healthy()
+    print(f"starting the engine (v1, {backend}) and a reference server (validation only) ...")
+    with serving(engine, reference):
         policy = Policy(load_hf_model(checkpoints[1]), checkpoints)
         sync_engine = connect(engine.url, policy.model, args)
         ok = run_loop(args, engine.url, reference.url, policy, sync_engine, **loop_options)
-    finally:
-        engine.stop()
-        reference.stop()
     return 0 if ok else 1

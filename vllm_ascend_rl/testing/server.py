@@ -15,7 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -183,6 +184,20 @@ class VLLMServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
+    """Start ``servers`` side by side (their start-ups overlap), yield them, stop them all."""
+    try:
+        for server in servers:
+            server.start(wait=False)
+        for server in servers:
+            server.wait_healthy()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import ClassVar, Self
+from typing import ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -239,20 +239,7 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
         self.channel: BroadcastChannel | None = None
         self._staging: list[torch.Tensor] = []
 
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: HCCLTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError("HCCL weight transfer needs a WeightSource (e.g. ModuleSource)")
-        engine = cls(client=client, source=source, init_info=init_info)
-        if engine.is_sender:
-            engine._connect()
-        return engine
+    transport: ClassVar[str] = "HCCL"
 
     def _connect(self) -> None:
         info = self.init_info

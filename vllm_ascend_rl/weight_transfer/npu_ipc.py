@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -266,20 +266,7 @@ class NPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         # exits, whichever comes first.
         self._finalizer = weakref.finalize(self, _release, self.ring)
 
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: NPUIPCTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError("NPU-IPC weight transfer needs a WeightSource (e.g. ModuleSource)")
-        engine = cls(client=client, source=source, init_info=init_info)
-        if engine.is_sender:
-            engine._connect()
-        return engine
+    transport: ClassVar[str] = "NPU-IPC"
 
     def _connect(self) -> None:
         info = self.init_info

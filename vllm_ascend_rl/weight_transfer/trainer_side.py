@@ -14,7 +14,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -190,7 +190,30 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
         self.init_info = init_info
         self.hw = device or current_device()
 
+    transport: ClassVar[str] = "this"  # for messages
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError(
+                f"{cls.transport} weight transfer needs a WeightSource (e.g. ModuleSource)"
+            )
+        engine = cls(client=client, source=source, init_info=init_info)
+        if engine.is_sender:
+            engine._connect()
+        return engine
+
     # -- transport hooks ---------------------------------------------------------------
+    @abstractmethod
+    def _connect(self) -> None:
+        """Set up the connection with every engine worker (the sender only)."""
+
     @abstractmethod
     def _plan(self, specs: list[TensorSpec]) -> list[Bucket]: ...
 
