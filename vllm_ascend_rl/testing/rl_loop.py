@@ -124,7 +124,7 @@ def run_loop(
         r = out.sync_result
         print(
             f"{k:>4} {f'v{k}->{version}':>9} {out.tokens:>7} {out.pause_ms:>9.1f} "
-            f"{out.sync_ms:>8.1f} {r.gbps:>6.2f} {out.resume_ms:>9.1f}  "
+            f"{1e3 * r.seconds:>8.1f} {r.gbps:>6.2f} {out.resume_ms:>9.1f}  "
             f"{'PASS' if ok else 'FAIL'} {verdict}"
         )
     sync_engine.shutdown()
