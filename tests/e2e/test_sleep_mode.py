@@ -100,6 +100,7 @@ def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, basel
     ctl.sleep(1)
     assert ctl.is_sleeping() is True
     freed = before - rss(server)
+    print(f"\nlevel 1 freed {freed >> 20} MiB ({freed / (KV_GIB << 30):.1%} of the KV cache)")
     assert freed >= 0.9 * (KV_GIB << 30), f"freed {freed >> 20} MiB of a {KV_GIB} GiB KV cache"
     ctl.wake_up()
     assert ctl.is_sleeping() is False
@@ -114,6 +115,7 @@ def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
     ctl.wake_up()
     ctl.sleep(2)
     extra = asleep_level1 - rss(server)  # what level 2 frees beyond level 1: the weights
+    print(f"\nlevel 2 freed {extra >> 20} MiB more ({extra / weight_bytes():.1%} of the weights)")
     assert extra >= 0.5 * weight_bytes(), (
         f"level 2 freed {extra >> 20} MiB more than level 1; weights are {weight_bytes() >> 20} MiB"
     )
