@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -24,7 +25,13 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_ascend_rl.device import Device, device_for
-from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, dtype_name, total_bytes
+from vllm_ascend_rl.weight_transfer.buckets import (
+    Bucket,
+    TensorSpec,
+    dtype_name,
+    plan_buckets,
+    total_bytes,
+)
 from vllm_ascend_rl.weight_transfer.channel import signature
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 from vllm_ascend_rl.weight_transfer.validation import (
@@ -40,8 +47,10 @@ DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0
 
 
-def check_wire(packed: bool, bucket: int, buffers: int, timeout_s: float) -> None:
-    """Validate wire parameters (ValueError): they are agreed once, at init."""
+def check_wire(info) -> None:
+    """Validate an init info's wire parameters (ValueError): they are agreed once, at init."""
+    packed, bucket = info.packed, info.packed_buffer_size_bytes
+    buffers, timeout_s = info.packed_num_buffers, info.timeout_s
     if not isinstance(packed, bool):
         raise ValueError(f"packed must be a bool, got {packed!r}")
     if not isinstance(bucket, int) or bucket <= 0:
@@ -56,6 +65,13 @@ def wire_signature(info) -> int:
     return signature(
         PROTOCOL_VERSION, info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers
     )
+
+
+def plan_for(info, specs: list[TensorSpec], alone_bytes: int | None = None) -> list[Bucket]:
+    """The bucket plan both sides derive from the agreed wire parameters. Unpacked: one tensor
+    per bucket; packed: tensors share buckets, and one above ``alone_bytes`` goes alone."""
+    bucket_bytes = info.packed_buffer_size_bytes if info.packed else 1
+    return plan_buckets(specs, bucket_bytes, alone_bytes=alone_bytes)
 
 
 def update_signature(specs: list[TensorSpec]) -> int:
@@ -154,8 +170,10 @@ class CheckpointEngine(WeightTransferEngine):
     @abstractmethod
     def _disconnect(self) -> None: ...
 
-    @abstractmethod
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]: ...
+    alone_bytes: ClassVar[int | None] = None  # see plan_for; the trainer side uses the same
+
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
+        return plan_for(self.init_info, specs, self.alone_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------
     def _before_init(self) -> None:

@@ -38,7 +38,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     as_bytes,
     iter_bucket_tensors,
     pack_into,
-    plan_buckets,
 )
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.engine_base import (
@@ -62,15 +61,10 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
 
 logger = get_logger(__name__)
 
-DIRECT_BYTES = 8 << 20  # tensors above this skip the staging copy even when packed
-
-
-def _plan(specs: list[TensorSpec], packed: bool, bucket_bytes: int) -> list[Bucket]:
-    # Unpacked: one tensor per collective, straight from/into the tensor. Packed: small
-    # tensors share buckets (one collective each), large ones go straight from their memory;
-    # a staging copy would only add a memcpy to a transfer already long enough to amortize
-    # the per-collective cost.
-    return plan_buckets(specs, bucket_bytes if packed else 1, alone_bytes=DIRECT_BYTES)
+# Packed, small tensors share buckets (one collective each) and tensors above this go straight
+# from their own memory: a staging copy would only add a memcpy to a transfer already long
+# enough to amortize the per-collective cost. Unpacked: one tensor per collective.
+DIRECT_BYTES = 8 << 20
 
 
 @dataclass(kw_only=True)
@@ -88,9 +82,7 @@ class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        check_wire(
-            self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
-        )
+        check_wire(self)
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port!r}")
         if self.world_size < 2:
@@ -118,9 +110,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        check_wire(
-            self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
-        )
+        check_wire(self)
 
 
 @dataclass
@@ -133,6 +123,7 @@ class HCCLWeightTransferEngine(CheckpointEngine):
 
     init_info_cls = HCCLWeightTransferInitInfo
     update_info_cls = HCCLWeightTransferUpdateInfo
+    alone_bytes = DIRECT_BYTES
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
@@ -180,9 +171,6 @@ class HCCLWeightTransferEngine(CheckpointEngine):
     def _connected(self) -> bool:
         return self.channel is not None and not self.channel.broken
 
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
-        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
-
     def _agree(self, refusal, specs, update_info) -> str | None:
         sig = 0 if refusal else update_signature(specs)
         all_ok, same = self.channel.agree(refusal is None, sig, "update handshake")
@@ -226,6 +214,7 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
     other trainer ranks only iterate the source (its gathers are collectives)."""
 
     init_info_cls = HCCLTrainerInitInfo
+    alone_bytes = DIRECT_BYTES
 
     def __init__(
         self,
@@ -288,9 +277,6 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
         self.channel = channel
 
     # -- transport hooks ---------------------------------------------------------------
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
-        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
-
     def _not_ready(self) -> str | None:
         if self.channel is None:
             return "not connected"

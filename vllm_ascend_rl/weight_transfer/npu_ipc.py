@@ -39,7 +39,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     TensorSpec,
     iter_bucket_tensors,
     pack_into,
-    plan_buckets,
 )
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener
 from vllm_ascend_rl.weight_transfer.engine_base import (
@@ -66,10 +65,6 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 DEFAULT_NUM_BUFFERS = 4
 
 
-def _plan(specs: list[TensorSpec], packed: bool, bucket_bytes: int) -> list[Bucket]:
-    return plan_buckets(specs, bucket_bytes if packed else 1)
-
-
 @dataclass(kw_only=True)
 class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     """Engine-side init info; the trainer fills it in."""
@@ -83,9 +78,7 @@ class NPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
-        check_wire(
-            self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
-        )
+        check_wire(self)
         if not isinstance(self.doorbell, str) or not self.doorbell:
             raise ValueError(f"doorbell must be the trainer's socket name, got {self.doorbell!r}")
 
@@ -102,9 +95,7 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
-        check_wire(
-            self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers, self.timeout_s
-        )
+        check_wire(self)
 
 
 @dataclass
@@ -160,9 +151,6 @@ class NPUIPCWeightTransferEngine(CheckpointEngine):
     # -- transport hooks ---------------------------------------------------------------
     def _connected(self) -> bool:
         return self.doorbell is not None and not self.doorbell.broken
-
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
-        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
 
     def _agree(self, refusal, specs, update_info) -> str | None:
         reason = str(refusal) if refusal is not None else None
@@ -320,9 +308,6 @@ class NPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         doorbell.send(welcome=error is None, error=error)
 
     # -- transport hooks ---------------------------------------------------------------
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
-        return _plan(specs, self.init_info.packed, self.init_info.packed_buffer_size_bytes)
-
     def _not_ready(self) -> str | None:
         if not self.doorbells:
             return "not connected"

@@ -27,6 +27,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
+from vllm_ascend_rl.weight_transfer.engine_base import plan_for
 
 logger = get_logger(__name__)
 
@@ -173,7 +174,7 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
 
     ``send_weights`` drives ``start_weight_update``, ``update_weights`` (in a daemon thread,
     since the engine blocks in it while the data moves) and ``finish_weight_update``. A
-    transport implements ``_plan``, ``_not_ready``, ``_payload``, ``_agree``, ``_send`` and
+    transport implements ``_connect``, ``_not_ready``, ``_payload``, ``_agree``, ``_send`` and
     ``_abort``; a refusal in ``_agree`` leaves the connection usable, a failure after it does
     not.
     """
@@ -214,8 +215,10 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
     def _connect(self) -> None:
         """Set up the connection with every engine worker (the sender only)."""
 
-    @abstractmethod
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]: ...
+    alone_bytes: ClassVar[int | None] = None  # as on the engine side (plan_for)
+
+    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
+        return plan_for(self.init_info, specs, self.alone_bytes)
 
     @abstractmethod
     def _not_ready(self) -> str | None:
