@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vllm_ascend_rl.device import Device, get_device
+
 DEFAULT_TAG = "default"
 
 
@@ -76,6 +78,11 @@ class CaMemAllocator:
         self.backend = backend
         self.allocations: dict[int, Allocation] = {}
         self._granularity: dict[int, int] = {}
+
+    @property
+    def device(self) -> Device:
+        """The device whose memory this back end maps."""
+        return get_device("cpu" if self.backend == "host" else "npu")
 
     # -- allocation ------------------------------------------------------------------
     def granularity(self, device: int = 0) -> int:
@@ -158,9 +165,7 @@ class CaMemAllocator:
         """Back up allocations tagged ``offload_tags`` to host memory, then release the
         physical memory of every awake allocation. Addresses stay reserved."""
         offload = _tags(offload_tags) or set()
-        from vllm_ascend_rl.device import get_device
-
-        hw = get_device("cpu" if self.backend == "host" else "npu")
+        hw = self.device
         for alloc in self.allocations.values():
             if not alloc.awake:
                 continue
@@ -180,9 +185,7 @@ class CaMemAllocator:
         restore backups. Awake allocations are left alone. A failure part-way releases what
         this call had mapped and raises: the allocator is back to a clean asleep state."""
         wanted = _tags(tags)
-        from vllm_ascend_rl.device import get_device
-
-        hw = get_device("cpu" if self.backend == "host" else "npu")
+        hw = self.device
         woken: list[Allocation] = []
         try:
             for alloc in self.allocations.values():

@@ -15,16 +15,15 @@ until every tag is awake.
 
 from __future__ import annotations
 
-import gc
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ascend_rl._registration import registered_name
-from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+from vllm_ascend_rl.worker import release_for_sleep
 
 logger = get_logger(__name__)
 
@@ -56,19 +55,13 @@ class SleepableCPUWorker(CPUWorker):
 
     # -- sleep / wake ------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
-        before = self.allocator.get_current_usage()
-        engine = getattr(self, "weight_transfer_engine", None)
-        if engine is not None and hasattr(engine, "release_buffers"):
-            engine.release_buffers()
         if level >= 2:
             self._discard_weights()
-        self.sleep_mode_backend.suspend(level)
-        gc.collect()
-        get_device("cpu").empty_cache()
+        released = release_for_sleep(self, self.sleep_mode_backend, level)
         logger.info(
             "sleep level %d: released %.1f MiB of KV cache%s",
             level,
-            (before - self.allocator.get_current_usage()) / 2**20,
+            released / 2**20,
             f" and {sum(self._discarded.values()) / 2**20:.1f} MiB of parameters"
             if level >= 2
             else "",

@@ -29,10 +29,10 @@ def _build_class() -> type:
     import torch
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
 
-    from vllm_ascend_rl.device import get_device
     from vllm_ascend_rl.logs import get_logger
     from vllm_ascend_rl.sleep.allocator import CaMemAllocator
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
+    from vllm_ascend_rl.worker import release_for_sleep
 
     logger = get_logger(__name__)
 
@@ -58,16 +58,10 @@ def _build_class() -> type:
                 super().initialize_from_config(*args, **kwargs)
 
         def sleep(self, level: int = 1) -> None:
-            before = self.allocator.get_current_usage()
-            engine = getattr(self, "weight_transfer_engine", None)
-            if engine is not None and hasattr(engine, "release_buffers"):
-                engine.release_buffers()
             if level >= 2:  # buffers (rotary caches, ...) are not reloaded from a checkpoint
                 model = self.model_runner.get_model()
                 self._saved_buffers = {n: b.cpu().clone() for n, b in model.named_buffers()}
-            self.camem_backend.suspend(level)
-            get_device("npu" if self.allocator.backend == "acl" else "cpu").empty_cache()
-            freed = before - self.allocator.get_current_usage()
+            freed = release_for_sleep(self, self.camem_backend, level)
             logger.info("sleep level %d released %.1f MiB", level, freed / 2**20)
 
         def wake_up(self, tags: list[str] | None = None) -> None:
