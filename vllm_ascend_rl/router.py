@@ -127,6 +127,11 @@ class Completion:
         return choice
 
 
+def error_body(status: int, message: str) -> dict:
+    """vLLM's error shape, so clients parse router errors like engine errors."""
+    return {"error": {"message": message, "code": status}}
+
+
 def _piece(choice: dict, usage: dict | None = None) -> Piece:
     return Piece(
         token_ids=list(choice.get("token_ids") or []),
@@ -224,8 +229,7 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 yield event
         except (RouterError, aiohttp.ClientError, TimeoutError) as e:
             status = e.status if isinstance(e, RouterError) else 502
-            error = {"error": {"message": f"router: {e}", "code": status}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield f"data: {json.dumps(error_body(status, f'router: {e}'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
 
     async def stitched(completion: Completion) -> AsyncIterator[bytes]:
@@ -284,9 +288,9 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 return StreamingResponse(stream(completion), media_type="text/event-stream")
             return JSONResponse(await complete(completion))
         except RouterError as e:
-            return JSONResponse({"error": {"message": str(e), "code": e.status}}, e.status)
+            return JSONResponse(error_body(e.status, str(e)), e.status)
         except json.JSONDecodeError:
-            return JSONResponse({"error": {"message": "body is not JSON", "code": 400}}, 400)
+            return JSONResponse(error_body(400, "body is not JSON"), 400)
 
     @app.get("/router/stats")
     async def stats() -> dict:
@@ -305,8 +309,9 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
             ) as resp:
                 return Response(await resp.read(), resp.status, media_type=resp.content_type)
         except (aiohttp.ClientError, TimeoutError) as e:
-            message = f"engine {url} failed: {type(e).__name__}: {e}"
-            return JSONResponse({"error": {"message": message, "code": 502}}, 502)
+            return JSONResponse(
+                error_body(502, f"engine {url} failed: {type(e).__name__}: {e}"), 502
+            )
 
     return app
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import pytest
@@ -123,21 +123,6 @@ def admitted_together(engine: VLLMServer, send) -> None:
         ctl.resume()
 
 
-def run_concurrently(fns) -> list:
-    results = [None] * len(fns)
-
-    def run(i, fn):
-        try:
-            results[i] = fn()
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i, f), daemon=True) for i, f in enumerate(fns)]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
 def test_an_unknown_recompute_mode_fails_start_up_clearly(tiny_model, tmp_path):
     bad = VLLMServer(
         tiny_model,
@@ -155,17 +140,15 @@ def test_an_unknown_recompute_mode_fails_start_up_clearly(tiny_model, tmp_path):
 
 def test_kv_starved_requests_bounce_with_the_tokens_they_generated(servers, references):
     engine, _ = servers
-    threads, results = [], []
-
-    def send():
-        nonlocal threads, results
-        threads, results = run_concurrently(
-            [lambda p=p: complete(engine.url, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[:8]]
+    with ThreadPoolExecutor(8) as pool:
+        futures = []
+        admitted_together(
+            engine,
+            lambda: futures.extend(
+                pool.submit(complete, engine.url, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[:8]
+            ),
         )
-
-    admitted_together(engine, send)
-    for t in threads:
-        t.join(600)
+        results = [f.result(600) for f in futures]
     bounced = 0
     for prompt, res in zip(PROMPTS, results, strict=False):
         assert isinstance(res, dict), res
@@ -191,19 +174,20 @@ def test_through_the_router_every_completion_equals_the_greedy_reference(
     engine, _ = servers
     before = requests.get(router + "/router/stats", timeout=10).json()["resends"]
     streams = [StreamingCompletion(router, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[::2]]
-    threads, results = [], []
+    with ThreadPoolExecutor(len(PROMPTS[1::2])) as pool:
+        futures = []
 
-    def send():
-        nonlocal threads, results
-        for s in streams:
-            s.start()
-        threads, results = run_concurrently(
-            [lambda p=p: complete(router, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[1::2]]
-        )
+        def send():
+            for s in streams:
+                s.start()
+            futures.extend(
+                pool.submit(complete, router, p, MAX_TOKENS, timeout_s=600) for p in PROMPTS[1::2]
+            )
 
-    admitted_together(engine, send)
-    for t in [*threads, *streams]:
-        t.join(600)
+        admitted_together(engine, send)
+        results = [f.result(600) for f in futures]
+    for s in streams:
+        s.join(600)
     for prompt, res in zip(PROMPTS[1::2], results, strict=True):
         assert isinstance(res, dict), res
         choice = res["choices"][0]
