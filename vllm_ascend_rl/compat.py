@@ -1,0 +1,101 @@
+"""Every difference between the vLLM releases we support (0.27.1, what vllm-ascend ``main``
+pins, through 0.32.0), in one place and detected by feature, never by version string.
+
+What differs, and how each is handled:
+
+- ``WeightTransferEngine.trainer_send_weights``: an abstract static method in 0.27.1 (the
+  trainer side was a static call there), gone in 0.32. :class:`EngineCompat` supplies it where
+  the base class still asks for it.
+- ``SleepModeBackend.discard`` and the routes that reach it (``/release_kv_cache_memory``),
+  ``/shutdown_weight_transfer_engine`` and ``/weight_checker``: 0.32 only. Our backend and
+  workers define ``discard`` either way; :func:`has_route` lets tests say what is missing.
+- vLLM's ``stateless_init_torch_distributed_process_group`` gained ``timeout`` after 0.27.1:
+  we no longer call it (:mod:`vllm_ascend_rl.device.group` builds the group itself).
+- ``/inference/v1/generate`` (token in, token out, with weight-version spans): always served
+  by 0.27.1, behind ``--enable-scale-out`` in 0.32 (:func:`scale_out_flags`).
+- Per-output weight-version spans (``weight_versions`` in ``/inference/v1/generate``): 0.32
+  only (:func:`has_weight_version_spans`); ``/weight_info`` exists in both.
+- ``/sleep?level=``: 0.32 refuses a level outside 0..2 with 400; 0.27.1 passes any level to the
+  workers (:func:`sleep_route_validates_level`; our workers refuse it themselves).
+- The worker's sleep-backend accessor (``sleep_mode_backend`` property in 0.32,
+  ``_get_sleep_mode_backend()`` in 0.27.1): not used; both workers build the backend through
+  ``SleepModeBackendFactory.create_backend``, which both releases have
+  (:func:`vllm_ascend_rl.worker.attach_sleep_backend`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+
+_ABSTRACT = getattr(WeightTransferEngine, "__abstractmethods__", frozenset())
+
+
+class EngineCompat:
+    """Mixed into our worker-side engines, before vLLM's base class."""
+
+    if "trainer_send_weights" in _ABSTRACT:  # vLLM <= 0.27
+
+        @staticmethod
+        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
+            raise NotImplementedError(
+                "vllm_ascend_rl engines send from a trainer engine: use "
+                "WeightTransferTrainerFactory.trainer_init(...).send_weights()"
+            )
+
+
+def has_route(path: str) -> bool:
+    """Whether this vLLM's OpenAI server defines ``path`` (dev-mode routes included)."""
+    import importlib
+    import pkgutil
+
+    import vllm.entrypoints as entrypoints
+
+    for info in pkgutil.walk_packages(entrypoints.__path__, "vllm.entrypoints."):
+        if not info.name.endswith("api_router"):
+            continue
+        try:
+            module = importlib.import_module(info.name)
+        except Exception:  # optional dependencies of unrelated routers
+            continue
+        router = getattr(module, "router", None)
+        if any(getattr(r, "path", None) == path for r in getattr(router, "routes", ())):
+            return True
+    return False
+
+
+def scale_out_flags() -> list[str]:
+    """Server flags that expose ``/inference/v1/generate``: ``--enable-scale-out`` where the
+    frontend has that option, none where the route is always on."""
+    import dataclasses
+    import importlib
+
+    try:
+        cli_args = importlib.import_module("vllm.entrypoints.launchers.cli_args")
+    except ImportError:
+        return []
+    options = {
+        f.name
+        for obj in vars(cli_args).values()
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj)
+        for f in dataclasses.fields(obj)
+    }
+    return ["--enable-scale-out"] if "enable_scale_out" in options else []
+
+
+def sleep_route_validates_level() -> bool:
+    """Whether vLLM's ``/sleep`` route declares ``level`` as a validated query parameter."""
+    import inspect
+
+    from vllm.entrypoints.serve.dev.sleep import api_router
+
+    route = next(r for r in api_router.router.routes if getattr(r, "path", None) == "/sleep")
+    return "level" in inspect.signature(route.endpoint).parameters
+
+
+def has_weight_version_spans() -> bool:
+    """Whether generate outputs say which weight version produced which tokens."""
+    from vllm.entrypoints.scale_out.token_in_token_out import protocol
+
+    return hasattr(protocol, "WeightVersionSpan")
