@@ -1,43 +1,125 @@
-"""``register()``: the vllm.general_plugins entry point must be idempotent, cheap, and never
-raise because another plugin (vllm-ascend) registered a name first."""
+"""``register()``: the vllm.general_plugins entry point registers fixed names of our own, so it
+coexists with vllm-ascend's registrations whatever order vLLM discovers the two plugins in."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import json
+import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
-from vllm.distributed.weight_transfer.factory import (
-    WeightTransferEngineFactory,
-    WeightTransferTrainerFactory,
-)
 
 import vllm_ascend_rl
-from vllm_ascend_rl import _registration
-from vllm_ascend_rl._registration import Component, register_component
+from tests.support.standin_vllm_ascend import ENTRY_POINT, THEIR_NAMES, install_standin
+from vllm_ascend_rl._registration import CAMEM_BACKEND, HCCL_BACKEND, NPU_IPC_BACKEND
 
-FACTORIES = [WeightTransferEngineFactory, WeightTransferTrainerFactory]
+OURS = {
+    ("WeightTransferEngineFactory", HCCL_BACKEND): (
+        "vllm_ascend_rl.weight_transfer.hccl.AscendRLHCCLWeightTransferEngine"
+    ),
+    ("WeightTransferTrainerFactory", HCCL_BACKEND): (
+        "vllm_ascend_rl.weight_transfer.hccl.AscendRLHCCLTrainerWeightTransferEngine"
+    ),
+    ("WeightTransferEngineFactory", NPU_IPC_BACKEND): (
+        "vllm_ascend_rl.weight_transfer.npu_ipc.AscendRLNPUIPCWeightTransferEngine"
+    ),
+    ("WeightTransferTrainerFactory", NPU_IPC_BACKEND): (
+        "vllm_ascend_rl.weight_transfer.npu_ipc_trainer.AscendRLNPUIPCTrainerWeightTransferEngine"
+    ),
+    ("SleepModeBackendFactory", CAMEM_BACKEND): "vllm_ascend_rl.sleep.backend.CaMemSleepBackend",
+}
 
+# Runs in a fresh interpreter: put the stand-in first or last on sys.path, let vLLM load every
+# general plugin exactly as it does in a server process, and report who owns which name.
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    standin, order = sys.argv[1], sys.argv[2]
+    if order == "last":
+        sys.path.append(standin)
+    else:
+        sys.path.insert(0, standin)
+    if order == "trainer":  # a trainer registers by hand, then something loads plugins
+        import vllm_ascend_rl
+        vllm_ascend_rl.register()
+    from importlib.metadata import entry_points
+    from vllm.plugins import load_general_plugins
+    from vllm.distributed.weight_transfer import factory
+    from vllm.device_allocator import sleep_mode_backend
 
-@pytest.fixture(autouse=True)
-def restore_registries():
-    saved = [dict(f._registry) for f in FACTORIES]
-    chosen = dict(_registration._chosen)
-    yield
-    for f, reg in zip(FACTORIES, saved, strict=True):
-        f._registry.clear()
-        f._registry.update(reg)
-    _registration._chosen.clear()
-    _registration._chosen.update(chosen)
+    load_general_plugins()  # vLLM calls plugins without catching: an error ends here
 
-
-DUMMY = Component(
-    "weight_transfer_engine",
-    "rl_test_engine",
-    "vllm.distributed.weight_transfer.nccl_engine",
-    "NCCLWeightTransferEngine",
+    owners = {}
+    for fname, f in [
+        ("WeightTransferEngineFactory", factory.WeightTransferEngineFactory),
+        ("WeightTransferTrainerFactory", factory.WeightTransferTrainerFactory),
+        ("SleepModeBackendFactory", sleep_mode_backend.SleepModeBackendFactory),
+    ]:
+        for name, load in f._registry.items():
+            if name in ("hccl", "npu_ipc") or name.startswith("ascend_rl_"):
+                cls = load()
+                owners[f"{fname}:{name}"] = f"{cls.__module__}.{cls.__qualname__}"
+    eps = [ep.name for ep in entry_points(group="vllm.general_plugins")]
+    print("@@" + json.dumps({"eps": eps, "owners": owners}))
+    """
 )
+
+
+def _probe(standin, order: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    r = subprocess.run(
+        [sys.executable, "-c", PROBE, str(standin), order],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert r.returncode == 0, f"plugin loading failed ({order}):\n{r.stderr[-3000:]}"
+    line = next(x for x in r.stdout.splitlines() if x.startswith("@@"))
+    return json.loads(line[2:])
+
+
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    return install_standin(tmp_path_factory.mktemp("standin"))
+
+
+@pytest.fixture(scope="module")
+def probes(standin) -> dict[str, dict]:
+    return {order: _probe(standin, order) for order in ("first", "last", "trainer")}
+
+
+@pytest.mark.parametrize("order", ["first", "last", "trainer"])
+def test_coexists_with_vllm_ascend_in_any_discovery_order(probes, order):
+    eps, owners = probes[order]["eps"], probes[order]["owners"]
+    ours_first = eps.index("vllm_ascend_rl") < eps.index(ENTRY_POINT)
+    assert ours_first == (order == "last"), f"discovery order was not {order}: {eps}"
+    for (factory, name), cls in THEIR_NAMES.items():  # their names stay theirs
+        assert owners[f"{factory}:{name}"] == f"vllm_ascend_standin.{cls}"
+    for (factory, name), cls in OURS.items():
+        assert owners[f"{factory}:{name}"] == cls
+
+
+def test_our_names_are_identical_in_every_order(probes):
+    ours = [
+        {k: v for k, v in p["owners"].items() if k.split(":")[1].startswith("ascend_rl_")}
+        for p in probes.values()
+    ]
+    assert ours[0] == ours[1] == ours[2]
+    assert len(ours[0]) == len(OURS)
+
+
+def test_engine_class_names_cannot_be_mistaken_for_vllm_ascends():
+    """vLLM's factory logs only ``cls.__name__``."""
+    theirs = set(THEIR_NAMES.values())
+    for (factory, _), cls in OURS.items():
+        if not factory.startswith("WeightTransfer"):
+            continue
+        name = cls.rsplit(".", 1)[1]
+        assert name.startswith("AscendRL") and name not in theirs
 
 
 def test_entry_point_is_declared():
@@ -46,41 +128,16 @@ def test_entry_point_is_declared():
     assert len(ours) == 1 and ours[0].value == "vllm_ascend_rl:register"
 
 
-def test_register_twice_does_not_raise_and_is_stable():
-    first = vllm_ascend_rl.register()
-    second = vllm_ascend_rl.register()
-    assert first == second
-    assert register_component(DUMMY) == "rl_test_engine"
-    entry = WeightTransferEngineFactory._registry["rl_test_engine"]
-    assert register_component(DUMMY) == "rl_test_engine"  # idempotent: nothing re-registered
-    assert WeightTransferEngineFactory._registry["rl_test_engine"] is entry
-    assert (
-        WeightTransferEngineFactory._registry["rl_test_engine"]().__name__
-        == "NCCLWeightTransferEngine"
-    )
+def test_register_is_idempotent():
+    assert vllm_ascend_rl.register() == vllm_ascend_rl.register()
 
 
-def test_name_taken_by_another_plugin_uses_the_fallback():
-    # What vllm-ascend does: register the same name through vLLM's public API first.
-    WeightTransferEngineFactory.register_engine(
-        "rl_test_engine", "vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferEngine"
-    )
-    theirs = WeightTransferEngineFactory._registry["rl_test_engine"]
-    assert register_component(DUMMY) == "ascend_rl_rl_test_engine"
-    assert register_component(DUMMY) == "ascend_rl_rl_test_engine"
-    assert WeightTransferEngineFactory._registry["rl_test_engine"] is theirs  # untouched
-    assert (
-        _registration.registered_name("weight_transfer_engine", "rl_test_engine")
-        == "ascend_rl_rl_test_engine"
-    )
+def test_user_facing_trainer_imports_dispatch_to_our_names():
+    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+    from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
-
-def test_both_names_taken_skips_without_raising():
-    for name in ("rl_test_engine", "ascend_rl_rl_test_engine"):
-        WeightTransferEngineFactory.register_engine(
-            name, "vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferEngine"
-        )
-    assert register_component(DUMMY) is None
+    assert HCCLTrainerInitInfo.backend == HCCL_BACKEND
+    assert NPUIPCTrainerInitInfo.backend == NPU_IPC_BACKEND
 
 
 def test_import_and_register_are_cheap():
@@ -94,48 +151,3 @@ def test_import_and_register_are_cheap():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
-def _fresh(name: str) -> None:
-    for f in FACTORIES:
-        f._registry.pop(name, None)
-        f._registry.pop(f"ascend_rl_{name}", None)
-    _registration._chosen.clear()
-
-
-def test_hccl_is_registered_in_both_factories():
-    _fresh("hccl")
-    names = _registration.register_all()
-    assert names["weight_transfer_engine:hccl"] == names["weight_transfer_trainer:hccl"] == "hccl"
-    engine_cls = WeightTransferEngineFactory._registry["hccl"]()
-    trainer_cls = WeightTransferTrainerFactory._registry["hccl"]()
-    assert engine_cls.__name__ == "HCCLWeightTransferEngine"
-    assert trainer_cls.__name__ == "HCCLTrainerWeightTransferEngine"
-    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
-
-    assert HCCLTrainerInitInfo.backend == "hccl"
-
-
-def test_hccl_taken_by_vllm_ascend_falls_back_and_trainer_dispatch_follows():
-    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
-
-    _fresh("hccl")
-    for f in FACTORIES:  # what vllm-ascend's register_engine() does
-        f.register_engine(
-            "hccl", "vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"
-        )
-    try:
-        names = _registration.register_all()
-        assert names["weight_transfer_engine:hccl"] == "ascend_rl_hccl"
-        assert names["weight_transfer_trainer:hccl"] == "ascend_rl_hccl"
-        # The trainer factory dispatches on init_info.backend: it must reach our engine.
-        assert HCCLTrainerInitInfo.backend == "ascend_rl_hccl"
-        assert (
-            WeightTransferTrainerFactory._registry["ascend_rl_hccl"]().__name__
-            == "HCCLTrainerWeightTransferEngine"
-        )
-        assert (
-            WeightTransferEngineFactory._registry["hccl"]().__name__ == "NCCLWeightTransferEngine"
-        )  # theirs, untouched
-    finally:
-        HCCLTrainerInitInfo.backend = "hccl"
