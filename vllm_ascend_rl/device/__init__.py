@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from datetime import timedelta
+from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +18,16 @@ if TYPE_CHECKING:
 
     import torch
     from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class GroupBackend:
+    """A c10d backend and how to register it in a ``ProcessGroup``."""
+
+    impl: Any
+    default_type: Any  # ProcessGroup.BackendType
+    register_type: Any
+    torch_device: torch.device
 
 
 class IpcHandleError(ValueError):
@@ -89,14 +99,25 @@ class Device(ABC):
     kind: str  # "cpu" or "npu"
     collective_backend: str  # torch.distributed backend name for weight broadcasts
 
+    def __init__(self, index: int = 0) -> None:
+        # The device this object serves: an NPU's logical index (the current device is per
+        # thread on NPU, so it is fixed here, never read ambiently later); on CPU an
+        # emulated chip number (one per engine worker or trainer rank), which only NPU-IPC's
+        # colocation check looks at.
+        self.index = index
+
     @abstractmethod
-    def torch_device(self, index: int | None = None) -> torch.device: ...
+    def torch_device(self) -> torch.device: ...
 
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device queues work)
         """Wait for queued device work (no-op on CPU)."""
 
     def empty_cache(self) -> None:  # noqa: B027 (nothing to do unless the device caches)
         """Return memory that the process's allocators cache but no longer use."""
+
+    @abstractmethod
+    def memory_in_use(self) -> int:
+        """Bytes of this device's memory in use (on CPU: this process's resident set)."""
 
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy the flat uint8 tensor ``src`` into ``dst`` (same size), asynchronously where the
@@ -112,8 +133,8 @@ class Device(ABC):
         """Copy the host tensor ``src`` to device address ``addr``."""
 
     def location(self) -> dict[str, str]:
-        """Where this process's device is: host identity plus the physical chip."""
-        return {**host_identity(), "chip": self.kind}
+        """Where this device is: host identity plus the physical chip."""
+        return {**host_identity(), "chip": f"{self.kind}{self.index}"}
 
     @abstractmethod
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
@@ -123,50 +144,68 @@ class Device(ABC):
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
         """Map a buffer exported by :meth:`create_ipc_buffer`; IpcHandleError if impossible."""
 
-    def new_process_group(
-        self, host: str, port: int, rank: int, world_size: int, timeout_s: float
-    ) -> ProcessGroup:
-        """A process group of its own (outside torch.distributed's default group), formed
-        over a TCP store hosted by rank 0, whose collectives fail after ``timeout_s``."""
-        from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+    def weight_update_refusal(self) -> str | None:
+        """Why the serving stack would refuse every weight update on this device, with the
+        setting that fixes it; None if it will not."""
+        return None
 
-        return stateless_init_torch_distributed_process_group(
-            host,
-            port,
-            rank,
-            world_size,
-            self.collective_backend,
-            timeout=timedelta(seconds=timeout_s),
-        )
+    # -- the weight-broadcast group (see vllm_ascend_rl.device.group) ----------------------
+    @abstractmethod
+    def group_backend(
+        self, store: Any, rank: int, world_size: int, timeout_s: float
+    ) -> GroupBackend:
+        """The collective backend of our weight-broadcast group, over ``store``."""
+
+    def close_group(self, pg: ProcessGroup, broken: bool) -> None:
+        """Release the group. ``broken``: a collective failed or timed out and may still be
+        queued, so tear down without waiting for it."""
+        pg.shutdown()
 
 
 @cache
-def get_device(kind: str) -> Device:
+def get_device(kind: str, index: int = 0) -> Device:
     if kind == "cpu":
         from vllm_ascend_rl.device.cpu import CpuDevice
 
-        return CpuDevice()
+        return CpuDevice(index)
     if kind == "npu":
         from vllm_ascend_rl.device.npu import NpuDevice
 
-        return NpuDevice()
+        return NpuDevice(index)
     raise ValueError(f"unsupported device kind {kind!r}; expected 'cpu' or 'npu'")
 
 
-def current_device() -> Device:
-    """The device of this process: ``VLLM_ASCEND_RL_DEVICE`` if set, else NPU when torch_npu
-    is installed, else CPU."""
+def device_kind() -> str:
+    """``VLLM_ASCEND_RL_DEVICE`` if set, else ``npu`` when torch_npu is installed, else
+    ``cpu``."""
     kind = os.environ.get("VLLM_ASCEND_RL_DEVICE")
     if not kind:
         import importlib.util
 
         kind = "npu" if importlib.util.find_spec("torch_npu") is not None else "cpu"
-    return get_device(kind)
+    return kind
 
 
-def device_for(torch_device: torch.device | str) -> Device:
-    """The :class:`Device` for a torch device handed to us by vLLM (``cpu`` or ``npu:N``)."""
-    return get_device(str(torch_device).split(":")[0])
+def current_device(cpu_chip: int = 0) -> Device:
+    """This thread's device (read once, here): on NPU the current device, on CPU the
+    emulated chip ``cpu_chip``."""
+    kind = device_kind()
+    if kind == "npu":
+        from vllm_ascend_rl.device.npu import current_index
+
+        return get_device(kind, current_index())
+    return get_device(kind, cpu_chip)
+
+
+def device_for(torch_device: torch.device | str, cpu_chip: int = 0) -> Device:
+    """The :class:`Device` for a torch device vLLM handed us (``cpu`` or ``npu:N``); a CPU
+    worker emulates chip ``cpu_chip``."""
+    kind, _, index = str(torch_device).partition(":")
+    if kind == "cpu":
+        return get_device(kind, cpu_chip)
+    if not index:
+        return current_device()
+    return get_device(kind, int(index))
 
 
 __all__ = [
@@ -176,5 +215,6 @@ __all__ = [
     "IpcHandleError",
     "current_device",
     "device_for",
+    "device_kind",
     "get_device",
 ]

@@ -12,6 +12,7 @@ import base64
 import hashlib
 import os
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,11 +20,53 @@ import torch
 from vllm_ascend_rl.device import (
     Device,
     ExportedBuffer,
+    GroupBackend,
     ImportedBuffer,
     IpcHandleError,
     check_same_location,
     host_identity,
 )
+
+# torch_npu v2.10.0 ProcessGroupHCCL.hpp:238-242: enum class WatchdogStatus {INIT, RUN, STOP}.
+_WATCHDOG_STOP = 2
+# vllm-ascend's default HCCL buffer for its own groups (_DEFAULT_BUFFER_SIZE, utils.py:70).
+HCCL_BUFFER_MB = 200
+
+
+def nz_weight_mode() -> int:
+    """vllm-ascend's FRACTAL_NZ weight mode in this process.
+
+    vllm-ascend ``main`` (182b75e) keeps it in ``get_ascend_config().weight_nz_mode``
+    (``ascend_config.py:238-245``; ``rl_config.enabled`` forces 0, ``:579-600``); releases up
+    to v0.26 read only ``VLLM_ASCEND_ENABLE_NZ`` (``envs.py``). Both default to 1.
+    """
+    try:
+        from vllm_ascend.ascend_config import get_ascend_config
+
+        return int(get_ascend_config().weight_nz_mode)
+    except (ImportError, AttributeError, RuntimeError):
+        return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
+
+
+def nz_format_refusal() -> str | None:
+    """vllm-ascend's ``NPUWorker`` refuses ``start_weight_update`` and ``wake_up`` while NZ is
+    on (``_check_nz_disabled``, ``worker.py:247-255, 288-310``): say so at engine start, with
+    the setting to change, instead of at the first sync."""
+    mode = nz_weight_mode()
+    if not mode:
+        return None
+    return (
+        f"vllm-ascend's FRACTAL_NZ weight format is on (weight_nz_mode={mode}), and "
+        "vllm-ascend refuses every weight update and wake_up while it is. Start the server "
+        """with --additional-config '{"rl_config": {"enabled": true}}' (which also turns off """
+        "expandable segments and sets VLLM_SERVER_DEV_MODE=1), or with "
+        """--additional-config '{"weight_nz_mode": 0}', or with VLLM_ASCEND_ENABLE_NZ=0."""
+    )
+
+
+def current_index() -> int:
+    """The calling thread's current NPU."""
+    return _torch_npu().npu.current_device()
 
 
 def _torch_npu():
@@ -51,19 +94,71 @@ class NpuDevice(Device):
     kind = "npu"
     collective_backend = "hccl"
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
         _torch_npu()
+        super().__init__(index)
 
-    def torch_device(self, index: int | None = None) -> torch.device:
-        if index is None:
-            index = torch.npu.current_device()
-        return torch.device("npu", index)
+    def torch_device(self) -> torch.device:
+        return torch.device("npu", self.index)
 
     def synchronize(self) -> None:
-        torch.npu.synchronize()
+        torch.npu.synchronize(self.index)
 
     def empty_cache(self) -> None:
         torch.npu.empty_cache()
+
+    def memory_in_use(self) -> int:
+        free, total = torch.npu.mem_get_info(self.index)
+        return total - free
+
+    def weight_update_refusal(self) -> str | None:
+        return nz_format_refusal()
+
+    # -- the weight-broadcast group --------------------------------------------------------
+    def group_backend(self, store, rank: int, world_size: int, timeout_s: float) -> GroupBackend:
+        """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
+        group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e).
+
+        Failure handling is ours, not the watchdog's: with torch_npu's default
+        ``TORCH_HCCL_ASYNC_ERROR_HANDLING=1`` the watchdog rethrows a timed-out or failed
+        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1032-1048`` in
+        torch_npu v2.10.0), which would kill the engine when a trainer dies. Setting this
+        group's watchdog to STOP (``set_watchdog_status``, a per-group field, ``:3743``)
+        keeps its works out of the watchdog (``workEnqueue`` returns early, ``:3550``; the
+        loop skips the group, ``:2224``), so :class:`BroadcastChannel` alone decides, by
+        polling ``is_completed`` against ``timeout_s``, and then aborts the communicator.
+        """
+        from torch.distributed import ProcessGroup
+        from torch.distributed.distributed_c10d import Backend
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        from vllm_ascend_rl.device.group import GROUP_NAME
+
+        options = ProcessGroupHCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timedelta(seconds=timeout_s)
+        options.global_ranks_in_group = []  # a group of its own, not a subgroup of the world
+        options.group_id = f"{GROUP_NAME}/{id(store):x}"
+        # As vllm-ascend bounds its own groups' buffers (vllm_ascend/utils.py:960-991): MB.
+        options.hccl_config = {"hccl_buffer_size": HCCL_BUFFER_MB, "group_name": GROUP_NAME}
+        hccl = ProcessGroupHCCL(store, rank, world_size, options)
+        hccl.set_watchdog_status(_WATCHDOG_STOP)
+        return GroupBackend(
+            hccl,
+            Backend.backend_type_map[Backend("hccl")],
+            ProcessGroup.BackendType.CUSTOM,
+            torch.device("npu"),
+        )
+
+    def close_group(self, pg, broken: bool) -> None:
+        """A healthy group shuts down (which synchronizes its HCCL streams); a broken one
+        aborts its communicators instead: ``shutdown()`` would wait on a collective hung on
+        a dead peer until ``HCCL_EXEC_TIMEOUT`` (``ProcessGroupHCCL.cpp:1453-1480``)."""
+        if not broken:
+            pg.shutdown()
+            return
+        backend = pg._get_backend(torch.device("npu"))
+        backend.abort_hccl_comm("vllm_ascend_rl: weight-transfer channel broken")
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         _acl_memcpy(out.data_ptr(), addr, out.numel() * out.element_size(), _D2H)
@@ -72,10 +167,10 @@ class NpuDevice(Device):
         _acl_memcpy(addr, src.data_ptr(), src.numel() * src.element_size(), _H2D)
 
     def location(self) -> dict[str, str]:
-        """Physical chip: ASCEND_RT_VISIBLE_DEVICES maps logical indices to chips."""
-        logical = torch.npu.current_device()
+        """Physical chip: ASCEND_RT_VISIBLE_DEVICES maps logical indices to chips (the same
+        mapping as vllm-ascend's ``npu_generate_uuid``, npu_ipc_engine.py:63)."""
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
-        chip = visible.split(",")[logical].strip() if visible else str(logical)
+        chip = visible.split(",")[self.index].strip() if visible else str(self.index)
         return {**host_identity(), "chip": chip}
 
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
@@ -130,9 +225,12 @@ class NpuDevice(Device):
                 (nbytes,),
                 (1,),
                 0,
-                torch.UntypedStorage,
+                # What the producer sends (reductions.py:98-150 in torch_npu v2.10.0): only
+                # the TypedStorage wrapper absorbs the device= keyword of a cache hit
+                # (torch_npu/utils/storage.py:85-90).
+                torch.TypedStorage,
                 torch.uint8,
-                torch.npu.current_device(),  # the receiver's own device index
+                self.index,  # the receiver's own device, never the ambient one
                 _unb64(handle["storage_handle"], "storage_handle"),
                 int(handle["storage_size_bytes"]),
                 int(handle["storage_offset_bytes"]),
@@ -164,21 +262,46 @@ def _acl_memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
         raise RuntimeError(f"aclrtMemcpy of {nbytes} bytes failed with ACL error {ret}")
 
 
-_POOLS: dict = {}  # tag -> (pool, allocator): kept alive for the process (pytorch#146431)
+# Every pool ever entered, with its pluggable allocator, alive until the process exits. This
+# is what keeps torch_npu 2.10 from freeing our VMM memory with a plain aclrtFree: a private
+# pool's blocks go through release_block (aclrtFree, NPUCachingAllocator.cpp:2965-2981) only
+# once the pool is freeable, i.e. its MemPool is gone (use_count 0, :2255-2280); while the
+# MemPool object lives, empty_cache skips it (:2901-2945). Also pytorch#146431.
+_POOLS: list = []
+_PLUGGABLE: list = []
 
 
 @contextmanager
 def pluggable_pool(allocator):
     """Route torch_npu allocations inside the block through the ACL VMM entry points of
-    ``vllm_ascend_rl._C``, which report each allocation to ``allocator`` (tagged)."""
+    ``vllm_ascend_rl._C``, which report each allocation to ``allocator`` (tagged).
+
+    Each entry uses a fresh pool, never allocated from again after the block: so the
+    segments it cached but no longer uses (freed during weight loading, format conversion,
+    quantization) can be given back at the end, as vLLM's cumem allocator trims its pools
+    (vllm/device_allocator/cumem.py:402-435 in vLLM 0.32.0). Otherwise they would be backed up
+    and restored on every sleep and hide from KV-cache sizing.
+    """
     from vllm_ascend_rl import _C
 
     _torch_npu()
-    tag = allocator._current_tag
-    if tag not in _POOLS:
-        _C.acl_set_callbacks(allocator._on_malloc, allocator._on_free)
-        pluggable = torch.npu.memory.NPUPluggableAllocator(_C.__file__, _C.NPU_MALLOC, _C.NPU_FREE)
-        _POOLS[tag] = (torch.npu.memory.MemPool(pluggable._allocator), pluggable)
-    pool, _ = _POOLS[tag]
-    with torch.npu.memory.use_mem_pool(pool):
+    if not _PLUGGABLE:
+        _C.set_callbacks(allocator._on_malloc, allocator._on_free)
+        _PLUGGABLE.append(
+            torch.npu.memory.NPUPluggableAllocator(_C.__file__, _C.NPU_MALLOC, _C.NPU_FREE)
+        )
+    pool = torch.npu.memory.MemPool(_PLUGGABLE[0]._allocator)
+    _POOLS.append(pool)
+    with torch.npu.memory.use_mem_pool(pool, device=allocator.device_index):
         yield
+    _trim(pool, allocator)
+
+
+def _trim(pool, allocator) -> None:
+    """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
+    torch_npu/csrc/npu/Module.cpp:1515-1570 in v2.10.0)."""
+    torch.npu.synchronize(allocator.device_index)
+    for segment in torch.npu.memory_snapshot():
+        unused = not segment["allocated_size"] and segment["address"] in allocator.allocations
+        if unused and tuple(segment["segment_pool_id"]) == tuple(pool.id):
+            allocator.free(segment["address"])

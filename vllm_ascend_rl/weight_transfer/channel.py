@@ -18,6 +18,10 @@ import torch
 from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
 
 from vllm_ascend_rl.device import Device
+from vllm_ascend_rl.device.group import open_group
+from vllm_ascend_rl.logs import get_logger
+
+logger = get_logger(__name__)
 
 Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed)
 
@@ -49,7 +53,7 @@ class BroadcastChannel:
                 "the trainer plus every engine worker"
             )
         try:
-            pg = device.new_process_group(host, port, rank, world_size, timeout_s)
+            pg = open_group(device, host, port, rank, world_size, timeout_s)
         except Exception as e:
             raise ChannelError(
                 f"rendezvous at {host}:{port} as rank {rank} of {world_size} failed within "
@@ -105,14 +109,14 @@ class BroadcastChannel:
             )
 
     def close(self) -> None:
+        """Release the group. A broken channel may still have a collective queued on a dead
+        peer: the device tears it down without waiting for it (on NPU: abort the
+        communicator, not a shutdown that synchronizes the hung stream)."""
         pg, self.pg = self.pg, None
+        broken = self.broken is not None
         self.broken = self.broken or "closed"
         if pg is not None:
             try:
-                from vllm.distributed.utils import (
-                    stateless_destroy_torch_distributed_process_group,
-                )
-
-                stateless_destroy_torch_distributed_process_group(pg)
-            except Exception:  # already torn down by a failed peer
-                pass
+                self.device.close_group(pg, broken)
+            except Exception as e:  # a peer that failed may have torn it down already
+                logger.info("closing the weight-transfer group: %s: %s", type(e).__name__, e)

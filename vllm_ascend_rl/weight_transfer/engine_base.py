@@ -24,6 +24,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import Device, device_for
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -41,10 +42,20 @@ from vllm_ascend_rl.weight_transfer.validation import (
     validate_update,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: NPU-IPC rings per chip ({chip: handles}, {chip: doorbell})
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0
+
+# vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
+# worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
+# start/finish never run. The lifecycle we implement arrived on vllm-ascend main in 9eabafb0c8.
+LEGACY_WORKER = (
+    "this vllm-ascend release calls receive_weights(info, load_weights=...) and never "
+    "start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's engines need "
+    "vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align weight transfer "
+    "lifecycle with vLLM (#12876)'). No weight was loaded."
+)
 
 
 def check_wire(info) -> None:
@@ -141,17 +152,27 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
         }
 
 
-class CheckpointEngine(WeightTransferEngine):
+class CheckpointEngine(EngineCompat, WeightTransferEngine):
     """Template for engines that receive checkpoint-format weights in buckets."""
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.hw: Device = device_for(device)
+        self.hw: Device = device_for(device, cpu_chip=self.worker_index)
+        refusal = self.hw.weight_update_refusal()
+        if refusal:  # fail at engine start, not at the trainer's first sync
+            raise ValueError(refusal)
         self.init_info = None
         self.reload = LayerwiseReload()
         self.pool = ReceivePool(device, max_bytes=0)  # sized at init from the wire params
         self._expected = None
         self._expected_loaded = False
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's place among all engine workers (every DP rank's TP x PP workers),
+        as vLLM's own engines number them (nccl_common.py; vllm-ascend hccl_engine.py)."""
+        pc = self.parallel_config
+        return pc.data_parallel_index * pc.world_size + pc.rank
 
     # -- transport hooks ---------------------------------------------------------------
     @abstractmethod
@@ -215,7 +236,11 @@ class CheckpointEngine(WeightTransferEngine):
             )
 
     # -- one update --------------------------------------------------------------------
-    def receive_weights(self, update_info) -> None:
+    def receive_weights(self, update_info, **legacy) -> None:
+        if "load_weights" in legacy:
+            raise RuntimeError(LEGACY_WORKER)
+        if legacy:
+            raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
         self._require_connected()
         if not self.reload.active:
             raise RuntimeError("update_weights called without start_weight_update")

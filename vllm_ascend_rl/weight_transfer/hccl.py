@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
 )
 
-from vllm_ascend_rl._registration import registered_name
+from vllm_ascend_rl._registration import HCCL_BACKEND
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -68,7 +68,7 @@ DIRECT_BYTES = 8 << 20
 
 
 @dataclass(kw_only=True)
-class HCCLWeightTransferInitInfo(WeightTransferInitInfo):
+class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo):
     """Engine-side init info; the trainer fills it in (rank 0 hosts the rendezvous)."""
 
     master_address: str
@@ -99,7 +99,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     within it, never a hang.
     """
 
-    backend: ClassVar[str] = registered_name("weight_transfer_trainer", "hccl")
+    backend: ClassVar[str] = HCCL_BACKEND
 
     master_address: str
     master_port: int
@@ -114,25 +114,24 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
 
 
 @dataclass
-class HCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
+class AscendRLHCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """One update's metadata, in the order the trainer broadcasts the tensors."""
 
 
-class HCCLWeightTransferEngine(CheckpointEngine):
+class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
     """Engine (worker) side. Loads through vLLM's layerwise reload; refuses bad updates whole."""
 
-    init_info_cls = HCCLWeightTransferInitInfo
-    update_info_cls = HCCLWeightTransferUpdateInfo
+    init_info_cls = AscendRLHCCLWeightTransferInitInfo
+    update_info_cls = AscendRLHCCLWeightTransferUpdateInfo
     alone_bytes = DIRECT_BYTES
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
         self.channel: BroadcastChannel | None = None
 
-    def init_transfer_engine(self, init_info: HCCLWeightTransferInitInfo) -> None:
+    def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
         self._before_init()
-        pc = self.parallel_config
-        rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
+        rank = self.worker_index + init_info.rank_offset
         channel = BroadcastChannel.open(
             self.hw,
             init_info.master_address,
@@ -209,7 +208,7 @@ class HCCLWeightTransferEngine(CheckpointEngine):
             self.channel = None
 
 
-class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
+class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
     """Trainer side. Rank 0 drives start/update/finish over ``client`` and broadcasts;
     other trainer ranks only iterate the source (its gathers are collectives)."""
 
@@ -231,9 +230,11 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
     transport: ClassVar[str] = "HCCL"
 
     def _connect(self) -> None:
+        if not self.is_sender:  # the group is the sender and the engine workers
+            return
         info = self.init_info
         check_world_size(self.client, info.world_size)
-        worker_info = HCCLWeightTransferInitInfo(
+        worker_info = AscendRLHCCLWeightTransferInitInfo(
             master_address=info.master_address,
             master_port=info.master_port,
             world_size=info.world_size,
@@ -283,7 +284,7 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
         return self.channel.broken
 
     def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
-        return HCCLWeightTransferUpdateInfo.fields_from_specs(specs)
+        return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
 
     def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
         all_ok, same = self.channel.agree(
@@ -307,8 +308,10 @@ class HCCLTrainerWeightTransferEngine(CheckpointTrainer):
                 send = as_bytes(tensors[0])
             else:
                 send = staging[i % depth][: bucket.nbytes]
+                # No synchronize: the collective's stream waits for the current stream,
+                # where the pack was queued (torch_npu ProcessGroupHCCL.cpp:267-279), and a
+                # device-wide sync would also wait for the broadcast in flight.
                 pack_into(send, bucket, tensors, self.hw.copy_bytes)
-                self.hw.synchronize()
             in_flight.append((bucket, channel.broadcast(send), send))
         while in_flight:
             done, work, _ = in_flight.popleft()

@@ -189,7 +189,9 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
     ) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
-        self.hw = device or current_device()
+        # Read once, here: on NPU the current device is per thread, and the rendezvous and
+        # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
+        self.hw = device or current_device(cpu_chip=init_info.rank)
 
     transport: ClassVar[str] = "this"  # for messages
 
@@ -206,14 +208,14 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
                 f"{cls.transport} weight transfer needs a WeightSource (e.g. ModuleSource)"
             )
         engine = cls(client=client, source=source, init_info=init_info)
-        if engine.is_sender:
-            engine._connect()
+        engine._connect()
         return engine
 
     # -- transport hooks ---------------------------------------------------------------
     @abstractmethod
     def _connect(self) -> None:
-        """Set up the connection with every engine worker (the sender only)."""
+        """Set up the connections this rank needs (runs on every trainer rank; the sender
+        also issues ``init_weight_transfer_engine``)."""
 
     alone_bytes: ClassVar[int | None] = None  # as on the engine side (plan_for)
 
@@ -242,6 +244,16 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
     def _succeeded(self) -> None:
         """Called after ``finish_weight_update`` returned."""
 
+    def _cancel(self, reason: str) -> None:
+        """The sender gave up an update before any engine saw it (start_weight_update
+        failed); tell whoever waits for it."""
+
+    def _follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        """A non-sender rank's part of an update. By default it only iterates the source,
+        which keeps it in the source's gather collectives."""
+        for _ in self.source:
+            pass
+
     # -- the update --------------------------------------------------------------------
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
@@ -256,8 +268,7 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
         specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
         plan = self._plan(specs)
         if not self.is_sender:
-            for _ in self.source:  # stay in the source's gather collectives
-                pass
+            self._follow(specs, plan)
             return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
         reason = self._not_ready()
         if reason:
@@ -266,10 +277,17 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
             )
         nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
         started = time.perf_counter()
-        call("start_weight_update", self.client.start_weight_update)
-        update = BackgroundCall(
-            "update_weights", self.client.update_weights, self._payload(specs, plan)
-        )
+        try:
+            payload = self._payload(specs, plan)  # before the engine opens an update
+        except TRANSPORT_ERRORS as e:
+            self._abort()
+            raise WeightSyncError(f"preparing the update failed: {e}") from e
+        try:
+            call("start_weight_update", self.client.start_weight_update)
+        except WeightSyncError as e:
+            self._cancel(str(e))
+            raise
+        update = BackgroundCall("update_weights", self.client.update_weights, payload)
         try:
             go = self._agree(specs, update)
         except TRANSPORT_ERRORS as e:
