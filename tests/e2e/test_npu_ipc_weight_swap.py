@@ -9,11 +9,13 @@ import psutil
 import pytest
 
 from tests.e2e.weight_sync_cases import WeightSyncCases
+from vllm_ascend_rl.testing.profile import current_profile
 from vllm_ascend_rl.testing.trainer import TrainerError
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
 GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
+CHIP = current_profile().chip_name(0)  # the engine worker's chip
 
 
 def shm_entries() -> set[str]:
@@ -25,7 +27,7 @@ def rss(pids: list[int]) -> int:
 
 
 class TestNPUIPCWeightSwap(WeightSyncCases):
-    backend = "npu_ipc"
+    backend = "ascend_rl_npu_ipc"
 
     def test_no_pickle_on_the_control_plane(self, engine):
         # The weight swaps of this class run without VLLM_ALLOW_INSECURE_SERIALIZATION: the
@@ -35,20 +37,36 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
     @pytest.mark.parametrize(
         "buffers, message",
         [
-            ("not-a-list", "malformed buffers field"),
-            (
-                [{"id": "bad1", "kind": "shm", "name": "../../etc/passwd", "nbytes": 10}],
+            pytest.param("not-a-dict", "malformed buffers field", id="not_a_dict"),
+            pytest.param({CHIP: "not-a-list"}, "malformed buffers field", id="not_a_list"),
+            pytest.param(
+                {"elsewhere": [{"id": "x"}]},
+                f"no staging buffers for chip {CHIP}",
+                id="other_chip_only",
+            ),
+            pytest.param(
+                {CHIP: [{"id": "bad1", "kind": "shm", "name": "../../etc/passwd", "nbytes": 10}]},
                 "malformed shared-memory handle: name '../../etc/passwd'",
+                id="bad_name",
+                marks=pytest.mark.cpu_only,
             ),
-            (
-                [{"id": "bad2", "kind": "shm", "name": GOOD_NAME_FORMAT, "nbytes": "ten"}],
+            pytest.param(
+                {CHIP: [{"id": "bad2", "kind": "shm", "name": GOOD_NAME_FORMAT, "nbytes": "ten"}]},
                 "malformed shared-memory handle: nbytes 'ten'",
+                id="bad_size",
+                marks=pytest.mark.cpu_only,
             ),
-            ([{"id": "bad3", "kind": "cuda_ipc", "handle": "..."}], "not a shared-memory handle"),
+            pytest.param(
+                {CHIP: [{"id": "bad3", "kind": "cuda_ipc", "handle": "..."}]},
+                "not a shared-memory handle",
+                id="wrong_kind",
+                marks=pytest.mark.cpu_only,
+            ),
         ],
-        ids=["not_a_list", "bad_name", "bad_size", "wrong_kind"],
     )
-    def test_malformed_handle_is_refused(self, engine, trainer, on_v1, v1_probe, buffers, message):
+    def test_malformed_buffers_are_refused(
+        self, engine, trainer, on_v1, v1_probe, buffers, message
+    ):
         self.init(trainer, engine)
         with pytest.raises(TrainerError, match="refused") as err:
             trainer.send(payload={"buffers": buffers})
@@ -56,6 +74,7 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
         self.assert_alive_and_intact(engine, v1_probe)
         trainer.send(weight_version="v2")  # a refusal leaves the connection usable
 
+    @pytest.mark.cpu_only
     def test_missing_segment_is_refused(self, engine, trainer, on_v1, v1_probe):
         self.init(trainer, engine)
         handle = {
@@ -66,12 +85,13 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             "location": None,
         }
         with pytest.raises(TrainerError, match="refused"):
-            trainer.send(payload={"buffers": [handle]})
+            trainer.send(payload={"buffers": {CHIP: [handle]}})
         handle["location"] = _engine_location()
         with pytest.raises(TrainerError, match=f"segment '{GOOD_NAME_FORMAT}' does not exist"):
-            trainer.send(payload={"buffers": [handle]})
+            trainer.send(payload={"buffers": {CHIP: [handle]}})
         self.assert_alive_and_intact(engine, v1_probe)
 
+    @pytest.mark.cpu_only
     def test_trainer_on_another_chip_is_named(self, engine, trainer, on_v1, v1_probe):
         self.init(trainer, engine)
         elsewhere = {**_engine_location(), "host": "trainer-host-b", "chip": "7"}
@@ -83,13 +103,14 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             "location": elsewhere,
         }
         with pytest.raises(TrainerError) as err:
-            trainer.send(payload={"buffers": [handle]})
+            trainer.send(payload={"buffers": {CHIP: [handle]}})
         here = _engine_location()
         assert (
-            f"trainer on chip 7 of host trainer-host-b, engine on chip cpu of host {here['host']}"
+            f"trainer on chip 7 of host trainer-host-b, engine on chip cpu0 of host {here['host']}"
         ) in str(err.value)
         self.assert_alive_and_intact(engine, v1_probe)
 
+    @pytest.mark.cpu_only  # /dev/shm and host RSS are the CPU stand-in's resources
     def test_no_leak_over_100_updates(self, engine, trainer, on_v1):
         self.init(trainer, engine)
         for _ in range(10):  # warm up allocator pools and mappings

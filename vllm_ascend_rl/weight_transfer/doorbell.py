@@ -85,6 +85,14 @@ class Doorbell:
             self._break(f"{what}: the {self.peer} aborted: {msg['abort']}")
         return msg
 
+    def pending(self, what: str) -> dict | None:
+        """The next message if one has already arrived (never waits), else None."""
+        if b"\n" not in self._buf:
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            if not ready:
+                return None
+        return self.recv(what)
+
     def expect(self, key: str, value, what: str, poll: Poll | None = None) -> dict:
         msg = self.recv(what, poll)
         if msg.get(key) != value:

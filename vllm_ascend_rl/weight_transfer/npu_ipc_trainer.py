@@ -1,0 +1,384 @@
+"""NPU-IPC weight transfer, trainer side: one staging ring per trainer rank, on its own chip.
+
+Every trainer rank (``torch.distributed``'s default group, as vLLM's IPC trainer assumes; a
+single rank needs none) exports a ring on its chip and listens on a doorbell of its own. The
+sender (rank 0) learns every rank's chip and doorbell once, at ``trainer_init``, and sends the
+engine ``{chip: doorbell}``; each engine worker connects to the rank on its own chip. The other
+ranks connect to the sender's doorbell too, and every update is coordinated over those links,
+never over a collective that a dead peer could hang:
+
+    sender -> ranks    update i           ranks -> sender   ring i (this rank's handles)
+    sender -> engine   update_weights({chip: handles})
+    workers -> their rank: ready i        ranks -> sender   ready i (their workers' verdict)
+    sender -> ranks    go i (everyone's verdict), each rank -> its workers: go i
+    each rank packs every bucket into its own ring and rings its own workers
+    ranks -> sender    sent i
+
+A rank that fails tells the sender (and its workers) at once; so does the sender.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, ClassVar
+
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+
+from vllm_ascend_rl.device import ExportedBuffer
+from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer.buckets import (
+    Bucket,
+    TensorSpec,
+    iter_bucket_tensors,
+    pack_into,
+)
+from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
+from vllm_ascend_rl.weight_transfer.engine_base import PROTOCOL_VERSION, wire_signature
+from vllm_ascend_rl.weight_transfer.npu_ipc import (
+    AscendRLNPUIPCWeightTransferInitInfo,
+    AscendRLNPUIPCWeightTransferUpdateInfo,
+    NPUIPCTrainerInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.trainer_side import (
+    BackgroundCall,
+    CheckpointTrainer,
+    Progress,
+    WeightSyncError,
+)
+
+logger = get_logger(__name__)
+
+
+def gather_ranks(obj: Any) -> list[Any]:
+    """``obj`` of every trainer rank, over the default process group (just ``[obj]`` without
+    one). Used once, at ``trainer_init``, which every rank calls."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _release(ring: list[ExportedBuffer]) -> None:
+    for buf in ring:
+        buf.close()
+    ring.clear()
+
+
+def welcome(doorbell: Doorbell, hello: dict, info, here: dict) -> bool:
+    """Answer an engine worker's hello: accepted only on the same protocol, wire parameters
+    and chip as this trainer rank."""
+    error = None
+    if hello.get("protocol") != PROTOCOL_VERSION or hello.get("wire") != wire_signature(info):
+        error = f"trainer and engine disagree on protocol or wire parameters: {hello}"
+    elif hello.get("location") != here:
+        where = hello.get("location") or {}
+        error = (
+            f"trainer and engine are not on the same chip: trainer on chip {here.get('chip')} "
+            f"of host {here.get('host')}, engine worker {hello.get('hello')} on chip "
+            f"{where.get('chip')} of host {where.get('host')}. NPU IPC needs them colocated; "
+            "use the hccl backend across chips or hosts."
+        )
+    doorbell.send(welcome=error is None, error=error)
+    return error is None
+
+
+class Acceptor:
+    """Accepts connections on a rank's doorbell in a thread until stopped: engine workers
+    (``hello``) and, on the sender, the other trainer ranks (``peer``)."""
+
+    def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, dict], bool]):
+        self.listener, self.greet = listener, greet
+        self.workers: list[Doorbell] = []
+        self.peers: dict[int, Doorbell] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ipc-acceptor")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            doorbell = self.listener.accept(0.05)
+            if doorbell is None:
+                continue
+            try:
+                hello = doorbell.recv("init handshake")
+                if "peer" in hello:
+                    doorbell.send(welcome=True)
+                    self.peers[int(hello["peer"])] = doorbell
+                elif self.greet(doorbell, hello):
+                    self.workers.append(doorbell)
+                else:
+                    doorbell.close()
+            except Exception as e:  # a bad connection must not stop the others
+                logger.warning("NPU-IPC doorbell: dropped a connection: %s", e)
+                doorbell.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.listener.close()
+
+
+class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
+    """Trainer side: every rank owns a ring on its chip and the doorbells of its chip's
+    workers; rank 0 also drives the update over HTTP and coordinates the other ranks."""
+
+    init_info_cls = NPUIPCTrainerInitInfo
+    transport: ClassVar[str] = "NPU-IPC"
+
+    def __init__(
+        self,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource,
+        init_info: NPUIPCTrainerInitInfo,
+        device=None,
+    ) -> None:
+        super().__init__(client=client, source=source, init_info=init_info, device=device)
+        self.doorbells: list[Doorbell] = []  # this rank's engine workers
+        self.peers: list[Doorbell] = []  # sender: the other ranks; others: the sender
+        self.ring: list[ExportedBuffer] = []
+        self.chip = self.hw.location()["chip"]
+        self.update_id = 0
+        # Unlink and unmap the staging buffers when this engine goes away or the trainer
+        # exits, whichever comes first.
+        self._finalizer = weakref.finalize(self, _release, self.ring)
+
+    # -- connection -------------------------------------------------------------------
+    def _connect(self) -> None:
+        info = self.init_info
+        here = self.hw.location()
+        listener = DoorbellListener(info.timeout_s)
+        ranks = gather_ranks(
+            {"rank": info.rank, "chip": here["chip"], "doorbell": listener.address}
+        )
+        chips = [r["chip"] for r in ranks]
+        if len(set(chips)) != len(chips):
+            listener.close()
+            raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
+        worker_info = AscendRLNPUIPCWeightTransferInitInfo(
+            doorbells={r["chip"]: r["doorbell"] for r in ranks},
+            packed=info.packed,
+            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
+            packed_num_buffers=info.packed_num_buffers,
+            timeout_s=info.timeout_s,
+        )
+        acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
+        try:
+            if self.is_sender:
+                self._connect_as_sender(acceptor, worker_info, len(ranks) - 1)
+            else:
+                sender = next(r for r in ranks if r["rank"] == 0)
+                self._connect_as_peer(acceptor, sender["doorbell"])
+        except Exception:
+            acceptor.stop()
+            for d in [*acceptor.workers, *acceptor.peers.values(), *self.peers]:
+                d.close()
+            self.peers = []
+            raise
+        self.doorbells = acceptor.workers
+
+    def _connect_as_sender(self, acceptor: Acceptor, worker_info, num_peers: int) -> None:
+        timeout_s = self.init_info.timeout_s
+        waited = 0.0
+        while len(acceptor.peers) < num_peers:  # the other ranks connect right after the gather
+            if waited > timeout_s:
+                raise WeightSyncError(
+                    f"only {len(acceptor.peers)} of {num_peers} other trainer ranks reached the "
+                    f"sender's doorbell within timeout_s={timeout_s:.0f}s"
+                )
+            threading.Event().wait(0.05)
+            waited += 0.05
+        init_call = BackgroundCall(
+            "init_weight_transfer_engine",
+            self.client.init_weight_transfer_engine,
+            asdict(worker_info),
+        )
+        failure = init_call.failure(None)  # every worker said hello inside the call
+        acceptor.stop()
+        self.peers = [acceptor.peers[r] for r in sorted(acceptor.peers)]
+        counts = [len(acceptor.workers)]
+        for peer in self.peers:
+            peer.send(init=failure is None, error=failure)
+            if failure is None:
+                counts.append(int(peer.expect("workers", True, "init handshake")["count"]))
+        if failure is not None:
+            raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
+        if not sum(counts):
+            raise WeightSyncError("no engine worker connected to a trainer doorbell")
+
+    def _connect_as_peer(self, acceptor: Acceptor, sender_address: str) -> None:
+        sender = Doorbell.connect(sender_address, self.init_info.timeout_s)
+        self.peers = [sender]
+        sender.send(peer=self.init_info.rank, chip=self.chip)
+        sender.expect("welcome", True, "joining the sender")
+        done = sender.recv("waiting for the engine's init")
+        acceptor.stop()
+        if not done.get("init"):
+            raise WeightSyncError(f"init_weight_transfer_engine failed: {done.get('error')}")
+        sender.send(workers=True, count=len(acceptor.workers))
+
+    # -- one update: the sender's hooks -------------------------------------------------
+    def _not_ready(self) -> str | None:
+        if not self.doorbells and not self.peers:
+            return "not connected"
+        return next((d.broken for d in [*self.doorbells, *self.peers] if d.broken), None)
+
+    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+        self.update_id += 1
+        for peer in self.peers:
+            peer.send(update=self.update_id)
+        rings = {self.chip: self._ring_handles(plan)}
+        for peer in self.peers:
+            reply = peer.expect("ring", self.update_id, "collecting the ranks' rings")
+            rings[reply["chip"]] = reply["handles"]
+        return {
+            **AscendRLNPUIPCWeightTransferUpdateInfo.fields_from_specs(specs),
+            "buffers": rings,
+            "update_id": self.update_id,
+        }
+
+    def _cancel(self, reason: str) -> None:
+        for peer in self.peers:
+            peer.send(cancel=self.update_id, reason=reason)
+
+    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
+        replies = self._ready(update.raise_if_failed)
+        verdicts = [
+            p.expect("ready", self.update_id, "update handshake", update.raise_if_failed)
+            for p in self.peers
+        ]
+        ok = all(r.get("ok") for r in [*replies, *verdicts])
+        reason = next((r.get("error") for r in [*replies, *verdicts] if not r.get("ok")), None)
+        for peer in self.peers:
+            peer.send(go=self.update_id, ok=ok, reason=reason)
+        self._go(replies, ok, reason)
+        return ok
+
+    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None:
+        poll = update.raise_if_failed
+        self._stream(plan, poll, bar)
+        for peer in self.peers:
+            peer.expect("sent", self.update_id, "waiting for the other trainer ranks", poll)
+
+    def _succeeded(self) -> None:
+        for buf in self.ring:  # every worker has mapped them: take the names off /dev/shm
+            buf.unlink()
+
+    def _abort(self) -> None:
+        for d in [*self.doorbells, *self.peers]:
+            try:
+                d.send(abort="the trainer gave up this update")
+            except Exception:  # already gone
+                pass
+            d.close()
+
+    # -- one update: another rank's part --------------------------------------------------
+    def _follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        reason = self._not_ready()
+        if reason:
+            raise WeightSyncError(
+                f"weight transfer is not usable ({reason}): call trainer_init again"
+            )
+        sender = self.peers[0]
+        try:
+            self.update_id = self._next_update(sender)
+            sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
+            watch = self._watch(sender)
+            replies = self._ready(watch)
+            ok = all(r.get("ok") for r in replies)
+            error = next((r.get("error") for r in replies if not r.get("ok")), None)
+            sender.send(ready=self.update_id, ok=ok, error=error)
+            go = sender.expect("go", self.update_id, "waiting for the sender's verdict")
+            self._go(replies, bool(go.get("ok")), go.get("reason"))
+            if not go.get("ok"):
+                return
+            self._stream(plan, watch, Progress(0, False, ""))
+            sender.send(sent=self.update_id)
+        except _Cancelled:
+            return
+        except BaseException:
+            self._abort()
+            raise
+
+    def _next_update(self, sender: Doorbell) -> int:
+        msg = sender.recv("waiting for the sender's next update")
+        if "update" not in msg:
+            raise WeightSyncError(f"unexpected message from the sender: {msg}")
+        return int(msg["update"])
+
+    def _watch(self, sender: Doorbell) -> Poll:
+        """Poll hook: the sender may cancel the update while this rank waits for its workers
+        (its start_weight_update failed, so no worker will ever answer)."""
+
+        def poll() -> None:
+            msg = sender.pending("watching the sender")
+            if msg is not None and "cancel" in msg:
+                raise _Cancelled(msg.get("reason"))
+            if msg is not None:
+                raise WeightSyncError(f"unexpected message from the sender: {msg}")
+
+        return poll
+
+    # -- shared by every rank -------------------------------------------------------------
+    def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
+        need = max((b.nbytes for b in plan), default=0)
+        if not self.ring or self.ring[0].tensor.numel() < need:
+            _release(self.ring)  # exported once; replaced only if a bucket outgrows it
+            self.ring.extend(
+                self.hw.create_ipc_buffer(max(need, 1))
+                for _ in range(self.init_info.packed_num_buffers)
+            )
+        return [b.handle for b in self.ring]
+
+    def _ready(self, poll: Poll) -> list[dict]:
+        return [d.expect("ready", self.update_id, "update handshake", poll) for d in self.doorbells]
+
+    def _go(self, replies: list[dict], ok: bool, reason: str | None) -> None:
+        for d, r in zip(self.doorbells, replies, strict=True):
+            if r.get("ok"):  # a worker that refused is not waiting for a verdict
+                d.send(go=self.update_id, ok=ok, reason=reason)
+
+    def _stream(self, plan: list[Bucket], poll: Poll, bar: Progress) -> None:
+        """Pack every bucket into this rank's ring and ring this rank's workers; a slot is
+        refilled only once every worker has acknowledged its previous bucket."""
+        ring = self.ring
+        holder: dict[int, Bucket] = {}  # ring slot -> bucket not yet acknowledged
+        in_order: list[Bucket] = []
+
+        def acknowledged() -> None:
+            done = in_order.pop(0)
+            for d in self.doorbells:
+                d.expect("done", done.index, f"bucket {done.index} acknowledgement", poll)
+            holder.pop(done.index % len(ring), None)
+            bar.update(done.nbytes)
+
+        for bucket, tensors in iter_bucket_tensors(plan, iter(self.source)):
+            if bucket.nbytes == 0:
+                continue
+            slot = bucket.index % len(ring)
+            while slot in holder:  # wait until the engine has copied the previous occupant
+                acknowledged()
+            pack_into(ring[slot].tensor[: bucket.nbytes], bucket, tensors, self.hw.copy_bytes)
+            self.hw.synchronize()  # the engine reads it from another process
+            for d in self.doorbells:
+                d.send(bucket=bucket.index)
+            holder[slot] = bucket
+            in_order.append(bucket)
+        while in_order:
+            acknowledged()
+
+    def shutdown(self) -> None:
+        for d in [*self.doorbells, *self.peers]:
+            d.close()
+        self.doorbells, self.peers = [], []
+        _release(self.ring)
+
+
+class _Cancelled(Exception):
+    """The sender cancelled this update before any engine worker saw it."""
