@@ -1,11 +1,14 @@
 // One virtual-memory interface for the sleep allocator, with two back ends:
 //   host: memfd + mmap (reserve with PROT_NONE, map with MAP_FIXED), always built;
 //   acl:  CANN's aclrtReserveMemAddress / aclrtMallocPhysical / aclrtMapMem, built with CANN.
-// Every call returns 0 or an error code (errno, or an aclError); nothing throws.
+// Every call returns 0 or an error code (errno, or an aclError); nothing throws. Every call
+// that touches a device takes that device: on ACL the current device is per thread, and the
+// back end makes it current before the call.
 #pragma once
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -13,17 +16,24 @@ extern "C" {
 
 typedef struct VmmBackend {
   const char* name;
+  // 1 if physical memory reads as zero once mapped (memfd pages); 0 if it holds whatever was
+  // there before (aclrtMallocPhysical), so a promise of zeros needs `zero`.
+  int maps_zeroed;
   // Smallest size/alignment of physical allocations (bytes).
   int (*granularity)(int device, size_t* out);
   // Reserve a virtual address range that maps nothing yet.
-  int (*reserve)(size_t size, uint64_t* addr);
-  int (*release)(uint64_t addr, size_t size);
+  int (*reserve)(size_t size, int device, uint64_t* addr);
+  int (*release)(uint64_t addr, size_t size, int device);
   // Physical memory of `size` bytes; `populate` commits it now (fails cleanly on OOM).
   int (*create)(size_t size, int device, int populate, uint64_t* handle);
-  int (*free_handle)(uint64_t handle);
+  int (*free_handle)(uint64_t handle, int device);
   // Map `handle` at `addr` (inside a reserved range); unmap keeps the range reserved.
-  int (*map)(uint64_t addr, size_t size, uint64_t handle, int populate);
-  int (*unmap)(uint64_t addr, size_t size);
+  int (*map)(uint64_t addr, size_t size, uint64_t handle, int populate, int device);
+  int (*unmap)(uint64_t addr, size_t size, int device);
+  // Set `size` mapped bytes at `addr` to zero.
+  int (*zero)(uint64_t addr, size_t size, int device);
+  // Wait until the device has finished all queued work (no-op on the host).
+  int (*synchronize)(int device);
   // Human text for an error code of this back end.
   const char* (*describe)(int code);
 } VmmBackend;
@@ -32,6 +42,11 @@ extern const VmmBackend vmm_host_backend;
 #ifdef VLLM_ASCEND_RL_WITH_ACL
 extern const VmmBackend vmm_acl_backend;
 #endif
+
+// The pluggable-allocator entry points, over any back end (vmm_entry.cpp). torch_npu calls the
+// ACL pair through NPUPluggableAllocator; the host pair exists so CI runs the same code.
+void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device);
+void vmm_entry_free(const VmmBackend* b, void* ptr, int device);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
 // OS once the memfd is closed.
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -21,14 +22,18 @@ int host_granularity(int, size_t* out) {
   return 0;
 }
 
-int host_reserve(size_t size, uint64_t* addr) {
+// Handles are file descriptors: anything above INT_MAX cannot be one of ours, and truncating it
+// would close an unrelated descriptor.
+bool valid_fd(uint64_t handle) { return handle <= static_cast<uint64_t>(INT_MAX); }
+
+int host_reserve(size_t size, int, uint64_t* addr) {
   void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return errno;
   *addr = reinterpret_cast<uint64_t>(p);
   return 0;
 }
 
-int host_release(uint64_t addr, size_t size) {
+int host_release(uint64_t addr, size_t size, int) {
   return munmap(reinterpret_cast<void*>(addr), size) == 0 ? 0 : errno;
 }
 
@@ -67,9 +72,13 @@ int host_create(size_t size, int, int populate, uint64_t* handle) {
   return 0;
 }
 
-int host_free(uint64_t handle) { return close(static_cast<int>(handle)) == 0 ? 0 : errno; }
+int host_free(uint64_t handle, int) {
+  if (!valid_fd(handle)) return EBADF;
+  return close(static_cast<int>(handle)) == 0 ? 0 : errno;
+}
 
-int host_map(uint64_t addr, size_t size, uint64_t handle, int populate) {
+int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int) {
+  if (!valid_fd(handle)) return EBADF;
   int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
   void* want = reinterpret_cast<void*>(addr);
   void* p = mmap(want, size, PROT_READ | PROT_WRITE, flags, static_cast<int>(handle), 0);
@@ -81,18 +90,37 @@ int host_map(uint64_t addr, size_t size, uint64_t handle, int populate) {
   return 0;
 }
 
-int host_unmap(uint64_t addr, size_t size) {
+int host_unmap(uint64_t addr, size_t size, int) {
   void* want = reinterpret_cast<void*>(addr);
   void* p = mmap(want, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
                  -1, 0);
   return p == MAP_FAILED ? errno : 0;
 }
 
+// Fresh memfd pages are zero already (maps_zeroed); this serves an explicit request.
+int host_zero(uint64_t addr, size_t size, int) {
+  memset(reinterpret_cast<void*>(addr), 0, size);
+  return 0;
+}
+
+int host_synchronize(int) { return 0; }  // host work is synchronous
+
 const char* host_describe(int code) { return strerror(code); }
 
 }  // namespace
 
 extern "C" const VmmBackend vmm_host_backend = {
-    "host",      host_granularity, host_reserve, host_release, host_create,
-    host_free,   host_map,         host_unmap,   host_describe,
+    "host",    1,          host_granularity, host_reserve,     host_release,  host_create,
+    host_free, host_map,   host_unmap,       host_zero,        host_synchronize, host_describe,
 };
+
+extern "C" __attribute__((visibility("default"))) void* vllm_ascend_rl_host_malloc(ssize_t size,
+                                                                                   int device,
+                                                                                   void*) {
+  return vmm_entry_malloc(&vmm_host_backend, size, device);
+}
+
+extern "C" __attribute__((visibility("default"))) void vllm_ascend_rl_host_free(void* ptr, ssize_t,
+                                                                                int device, void*) {
+  vmm_entry_free(&vmm_host_backend, ptr, device);
+}

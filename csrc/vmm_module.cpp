@@ -7,9 +7,7 @@
 
 #include "vmm.h"
 
-#ifdef VLLM_ASCEND_RL_WITH_ACL
-extern "C" void vmm_acl_set_callbacks(PyObject* on_malloc, PyObject* on_free);
-#endif
+extern "C" void vmm_set_callbacks(PyObject* on_malloc, PyObject* on_free);
 
 namespace {
 
@@ -40,9 +38,55 @@ PyObject* fail(const VmmBackend* b, const char* op, int code) {
   return nullptr;
 }
 
+// "O&" converter for addresses, sizes and handles: a non-negative int below 2**64. PyArg's
+// "K" would wrap -1 to 2**64-1 and truncate nothing, so a bad argument reached the back end.
+int to_u64(PyObject* obj, void* out) {
+  if (!PyLong_Check(obj) || PyBool_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "expected an int, got %s", Py_TYPE(obj)->tp_name);
+    return 0;
+  }
+  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "expected a non-negative int below 2**64");
+    return 0;
+  }
+  *static_cast<uint64_t*>(out) = static_cast<uint64_t>(v);
+  return 1;
+}
+
 #define BACKEND_OR_RETURN(name) \
   const VmmBackend* b = find_backend(name); \
   if (b == nullptr) return nullptr
+
+#define CALL(op, expr)                           \
+  int err;                                       \
+  Py_BEGIN_ALLOW_THREADS err = (expr);           \
+  Py_END_ALLOW_THREADS if (err) return fail(b, op, err)
+
+// release, unmap and zero share one shape: (backend, address, size, device=0) -> None.
+using RangeOp = int (*VmmBackend::*)(uint64_t, size_t, int);
+
+PyObject* range_op(PyObject* args, const char* op, RangeOp member) {
+  const char* name;
+  uint64_t addr = 0, size = 0;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "sO&O&|i", &name, to_u64, &addr, to_u64, &size, &device))
+    return nullptr;
+  BACKEND_OR_RETURN(name);
+  CALL(op, (b->*member)(addr, size, device));
+  Py_RETURN_NONE;
+}
+
+PyObject* py_release(PyObject*, PyObject* args) {
+  return range_op(args, "release", &VmmBackend::release);
+}
+
+PyObject* py_unmap(PyObject*, PyObject* args) {
+  return range_op(args, "unmap", &VmmBackend::unmap);
+}
+
+PyObject* py_zero(PyObject*, PyObject* args) { return range_op(args, "zero", &VmmBackend::zero); }
 
 PyObject* py_granularity(PyObject*, PyObject* args) {
   const char* name;
@@ -50,82 +94,66 @@ PyObject* py_granularity(PyObject*, PyObject* args) {
   if (!PyArg_ParseTuple(args, "s|i", &name, &device)) return nullptr;
   BACKEND_OR_RETURN(name);
   size_t out = 0;
-  int err = b->granularity(device, &out);
-  return err ? fail(b, "granularity", err) : PyLong_FromSize_t(out);
+  CALL("granularity", b->granularity(device, &out));
+  return PyLong_FromSize_t(out);
 }
 
 PyObject* py_reserve(PyObject*, PyObject* args) {
   const char* name;
-  unsigned long long size;
-  if (!PyArg_ParseTuple(args, "sK", &name, &size)) return nullptr;
+  uint64_t size = 0, addr = 0;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "sO&|i", &name, to_u64, &size, &device)) return nullptr;
   BACKEND_OR_RETURN(name);
-  uint64_t addr = 0;
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->reserve(size, &addr);
-  Py_END_ALLOW_THREADS
-  return err ? fail(b, "reserve", err) : PyLong_FromUnsignedLongLong(addr);
-}
-
-PyObject* py_release(PyObject*, PyObject* args) {
-  const char* name;
-  unsigned long long addr, size;
-  if (!PyArg_ParseTuple(args, "sKK", &name, &addr, &size)) return nullptr;
-  BACKEND_OR_RETURN(name);
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->release(addr, size);
-  Py_END_ALLOW_THREADS
-  if (err) return fail(b, "release", err);
-  Py_RETURN_NONE;
+  CALL("reserve", b->reserve(size, device, &addr));
+  return PyLong_FromUnsignedLongLong(addr);
 }
 
 PyObject* py_create(PyObject*, PyObject* args) {
   const char* name;
-  unsigned long long size;
+  uint64_t size = 0, handle = 0;
   int device = 0, populate = 0;
-  if (!PyArg_ParseTuple(args, "sK|ip", &name, &size, &device, &populate)) return nullptr;
+  if (!PyArg_ParseTuple(args, "sO&|ip", &name, to_u64, &size, &device, &populate)) return nullptr;
   BACKEND_OR_RETURN(name);
-  uint64_t handle = 0;
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->create(size, device, populate, &handle);
-  Py_END_ALLOW_THREADS
-  return err ? fail(b, "create", err) : PyLong_FromUnsignedLongLong(handle);
+  CALL("create", b->create(size, device, populate, &handle));
+  return PyLong_FromUnsignedLongLong(handle);
 }
 
 PyObject* py_free(PyObject*, PyObject* args) {
   const char* name;
-  unsigned long long handle;
-  if (!PyArg_ParseTuple(args, "sK", &name, &handle)) return nullptr;
+  uint64_t handle = 0;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "sO&|i", &name, to_u64, &handle, &device)) return nullptr;
   BACKEND_OR_RETURN(name);
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->free_handle(handle);
-  Py_END_ALLOW_THREADS
-  if (err) return fail(b, "free", err);
+  CALL("free", b->free_handle(handle, device));
   Py_RETURN_NONE;
 }
 
 PyObject* py_map(PyObject*, PyObject* args) {
   const char* name;
-  unsigned long long addr, size, handle;
-  int populate = 0;
-  if (!PyArg_ParseTuple(args, "sKKK|p", &name, &addr, &size, &handle, &populate)) return nullptr;
+  uint64_t addr = 0, size = 0, handle = 0;
+  int populate = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "sO&O&O&|pi", &name, to_u64, &addr, to_u64, &size, to_u64,
+                        &handle, &populate, &device))
+    return nullptr;
   BACKEND_OR_RETURN(name);
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->map(addr, size, handle, populate);
-  Py_END_ALLOW_THREADS
-  if (err) return fail(b, "map", err);
+  CALL("map", b->map(addr, size, handle, populate, device));
   Py_RETURN_NONE;
 }
 
-PyObject* py_unmap(PyObject*, PyObject* args) {
+PyObject* py_synchronize(PyObject*, PyObject* args) {
   const char* name;
-  unsigned long long addr, size;
-  if (!PyArg_ParseTuple(args, "sKK", &name, &addr, &size)) return nullptr;
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "s|i", &name, &device)) return nullptr;
   BACKEND_OR_RETURN(name);
-  int err;
-  Py_BEGIN_ALLOW_THREADS err = b->unmap(addr, size);
-  Py_END_ALLOW_THREADS
-  if (err) return fail(b, "unmap", err);
+  CALL("synchronize", b->synchronize(device));
   Py_RETURN_NONE;
+}
+
+PyObject* py_maps_zeroed(PyObject*, PyObject* args) {
+  const char* name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+  BACKEND_OR_RETURN(name);
+  return PyBool_FromLong(b->maps_zeroed);
 }
 
 PyObject* py_backends(PyObject*, PyObject*) {
@@ -136,37 +164,37 @@ PyObject* py_backends(PyObject*, PyObject*) {
 #endif
 }
 
-PyObject* py_acl_set_callbacks(PyObject*, PyObject* args) {
+PyObject* py_set_callbacks(PyObject*, PyObject* args) {
   PyObject *on_malloc, *on_free;
   if (!PyArg_ParseTuple(args, "OO", &on_malloc, &on_free)) return nullptr;
-#ifdef VLLM_ASCEND_RL_WITH_ACL
-  vmm_acl_set_callbacks(on_malloc, on_free);
+  vmm_set_callbacks(on_malloc, on_free);
   Py_RETURN_NONE;
-#else
-  PyErr_SetString(PyExc_RuntimeError,
-                  "this build of vllm_ascend_rl._C has no ACL back end (CANN was not found "
-                  "when it was built)");
-  return nullptr;
-#endif
 }
 
 PyMethodDef kMethods[] = {
     {"backends", py_backends, METH_NOARGS, "Names of the VMM back ends built in."},
+    {"maps_zeroed", py_maps_zeroed, METH_VARARGS,
+     "maps_zeroed(backend) -> whether fresh physical memory reads as zero"},
     {"granularity", py_granularity, METH_VARARGS, "granularity(backend, device=0) -> bytes"},
-    {"reserve", py_reserve, METH_VARARGS, "reserve(backend, size) -> address"},
-    {"release", py_release, METH_VARARGS, "release(backend, address, size)"},
+    {"reserve", py_reserve, METH_VARARGS, "reserve(backend, size, device=0) -> address"},
+    {"release", py_release, METH_VARARGS, "release(backend, address, size, device=0)"},
     {"create", py_create, METH_VARARGS,
      "create(backend, size, device=0, populate=False) -> physical handle"},
-    {"free", py_free, METH_VARARGS, "free(backend, handle)"},
-    {"map", py_map, METH_VARARGS, "map(backend, address, size, handle, populate=False)"},
-    {"unmap", py_unmap, METH_VARARGS, "unmap(backend, address, size)"},
-    {"acl_set_callbacks", py_acl_set_callbacks, METH_VARARGS,
-     "acl_set_callbacks(on_malloc, on_free): the allocator hooks of the NPU entry points"},
+    {"free", py_free, METH_VARARGS, "free(backend, handle, device=0)"},
+    {"map", py_map, METH_VARARGS,
+     "map(backend, address, size, handle, populate=False, device=0)"},
+    {"unmap", py_unmap, METH_VARARGS, "unmap(backend, address, size, device=0)"},
+    {"zero", py_zero, METH_VARARGS, "zero(backend, address, size, device=0)"},
+    {"synchronize", py_synchronize, METH_VARARGS,
+     "synchronize(backend, device=0): wait for the device's queued work"},
+    {"set_callbacks", py_set_callbacks, METH_VARARGS,
+     "set_callbacks(on_malloc, on_free): the allocator hooks of the pluggable entry points"},
     {nullptr, nullptr, 0, nullptr},
 };
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "vllm_ascend_rl._C",
-                       "Virtual-memory back ends of the sleep allocator.", -1, kMethods};
+                       "Virtual-memory back ends of the sleep allocator.", -1, kMethods,
+                       nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
@@ -183,6 +211,8 @@ PyMODINIT_FUNC PyInit__C(void) {
     return nullptr;
   }
   Py_INCREF(g_vmm_error);
+  PyModule_AddStringConstant(m, "HOST_MALLOC", "vllm_ascend_rl_host_malloc");
+  PyModule_AddStringConstant(m, "HOST_FREE", "vllm_ascend_rl_host_free");
 #ifdef VLLM_ASCEND_RL_WITH_ACL
   PyModule_AddStringConstant(m, "NPU_MALLOC", "vllm_ascend_rl_npu_malloc");
   PyModule_AddStringConstant(m, "NPU_FREE", "vllm_ascend_rl_npu_free");

@@ -1,8 +1,11 @@
 """SleepableNPUWorker's routing, on a MOCKED vllm-ascend NPUWorker (we have no Ascend host).
 
-The mock stands in for the hardware-bound base class only; the allocator under the worker is
-the real ``CaMemAllocator`` on the host back end, so the test checks that the subclass really
-tags the model and KV cache into the sleep pools and that sleep/wake move real memory.
+The mock stands in for the hardware-bound base class only, shaped like vllm-ascend@182b75e's
+``NPUWorker`` where our subclass touches it (``initialize_from_config`` runs the KV connector,
+then ``model_runner.initialize_kv_cache``, then the KV-zeroing bookkeeping). The allocator under
+the worker is the real ``CaMemAllocator`` on the host back end, so the test checks that the
+subclass really tags the model and only the KV cache into the sleep pools and that sleep/wake
+move real memory.
 """
 
 from __future__ import annotations
@@ -14,15 +17,31 @@ import pytest
 import torch
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
-from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+import vllm_ascend_rl.device as device_mod
+from vllm_ascend_rl.device.cpu import CpuDevice
+from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator
+
+
+class _MockRunner:  # MOCK of vllm-ascend's NPUModelRunner
+    def __init__(self, worker) -> None:
+        self.worker, self.kv_caches = worker, []
+
+    def get_model(self):
+        return self.worker.model
+
+    def initialize_kv_cache(self, _config) -> None:
+        kv = torch.zeros(1 << 20, dtype=torch.uint8)
+        self.kv_caches = [(kv[: 1 << 19], kv[1 << 19 :])]  # vllm-ascend keeps (k, v) pairs
+        self.worker.metadata = torch.zeros(64).fill_(1)  # e.g. an attention builder's buffer
 
 
 class _MockNPUWorker:  # MOCK of vllm_ascend.worker.worker.NPUWorker
     def __init__(self, vllm_config) -> None:
         self.vllm_config = vllm_config
-        self.model_runner = types.SimpleNamespace(get_model=lambda: self.model)
+        self.device = torch.device("cpu")
+        self.model_runner = _MockRunner(self)
         self.model: torch.nn.Module | None = None
-        self.kv: torch.Tensor | None = None
+        self.updates = 0
 
     def load_model(self) -> None:
         self.model = torch.nn.Linear(256, 256, bias=False)
@@ -30,8 +49,16 @@ class _MockNPUWorker:  # MOCK of vllm_ascend.worker.worker.NPUWorker
             self.model.weight.copy_(torch.arange(256 * 256, dtype=torch.float32).view(256, 256))
         self.model.register_buffer("rope", torch.ones(8))
 
-    def initialize_from_config(self, _config) -> None:
-        self.kv = torch.zeros(1 << 20, dtype=torch.uint8)
+    def initialize_from_config(self, config) -> None:
+        self.connector = torch.zeros(16)  # ensure_kv_transfer_initialized
+        self.model_runner.initialize_kv_cache(config)
+        self.zero_meta = torch.zeros(16)  # _init_kv_zero_meta
+
+    def finish_weight_update(self) -> None:
+        self.updates += 1
+
+    def reload_weights(self, *args, **kwargs) -> None:
+        self.updates += 1
 
 
 @pytest.fixture()
@@ -53,6 +80,21 @@ def _config(enable_sleep_mode: bool = False):
     )
 
 
+def _owner(alloc: CaMemAllocator, t: torch.Tensor) -> str | None:
+    p = t.data_ptr()
+    return next((a.tag for a in alloc.allocations.values() if a.addr <= p < a.addr + a.size), None)
+
+
+@pytest.fixture()
+def worker(worker_cls):
+    w = worker_cls(_config())
+    w.load_model()
+    w.initialize_from_config(None)
+    yield w
+    for addr in list(w.allocator.allocations):
+        w.allocator.free(addr)
+
+
 def test_resolves_lazily_as_a_subclass_of_the_npu_worker(worker_cls):
     assert issubclass(worker_cls, _MockNPUWorker)
     assert worker_cls.__module__ == "vllm_ascend_rl.worker.npu_worker"
@@ -63,10 +105,20 @@ def test_refuses_vllm_ascends_own_sleep_mode(worker_cls):
         worker_cls(_config(enable_sleep_mode=True))
 
 
-def test_weights_and_kv_cache_sleep_and_wake_through_the_camem_backend(worker_cls):
-    worker = worker_cls(_config())
-    worker.load_model()
-    worker.initialize_from_config(None)
+def test_only_the_kv_cache_is_pooled_as_kv_cache(worker):
+    """[A5] Connector state and zeroing bookkeeping stay outside the pool; what KV
+    initialization allocated besides the KV cache is kept across sleep."""
+    alloc = worker.allocator
+    assert _owner(alloc, worker.model_runner.kv_caches[0][0]) == "kv_cache"
+    assert _owner(alloc, worker.connector) is None and _owner(alloc, worker.zero_meta) is None
+    assert _owner(alloc, worker.metadata) == PERSISTENT_TAG
+    assert "initialize_kv_cache" not in vars(worker.model_runner)  # the hook is gone again
+    worker.sleep(level=1)
+    assert torch.equal(worker.metadata, torch.ones(64))
+    worker.wake_up(None)
+
+
+def test_weights_and_kv_cache_sleep_and_wake_through_the_camem_backend(worker):
     alloc = worker.allocator
     assert alloc.tags() >= {"weights", "kv_cache"}
     weight_ptr = worker.model.weight.data_ptr()
@@ -74,15 +126,37 @@ def test_weights_and_kv_cache_sleep_and_wake_through_the_camem_backend(worker_cl
     held = alloc.get_current_usage()
 
     worker.sleep(level=1)
-    assert alloc.get_current_usage() == 0 and held >= (1 << 20) + 256 * 256 * 4
+    assert alloc.get_current_usage() < held and held >= (1 << 20) + 256 * 256 * 4
     worker.wake_up(["weights"])
     assert alloc.is_awake("weights") and not alloc.is_awake("kv_cache")
     worker.wake_up(["kv_cache"])
     assert worker.model.weight.data_ptr() == weight_ptr
     assert torch.equal(worker.model.weight, expected)  # level 1 keeps the weights
 
+
+def test_level_2_refuses_the_kv_cache_until_the_weights_are_reloaded(worker):
+    """What SleepableCPUWorker guards, the NPU worker guards too: no request may run on
+    discarded weights."""
     worker.sleep(level=2)
     worker.model.rope.fill_(0)  # buffers are saved apart at level 2 ...
-    worker.wake_up(None)
+    worker.wake_up(["weights"])
     assert torch.equal(worker.model.rope, torch.ones(8))  # ... and restored on wake
-    assert worker.model.weight.abs().sum() == 0  # level 2 discarded the weights: reload them
+    assert worker.model.weight.abs().sum() == 0  # level 2 discarded the weights
+    with pytest.raises(RuntimeError, match="refusing to wake the KV cache"):
+        worker.wake_up(["kv_cache"])
+    worker.finish_weight_update()  # a weight transfer completed
+    worker.wake_up(["kv_cache"])
+    assert worker.allocator.is_awake("kv_cache")
+
+
+def test_wake_up_keeps_vllm_ascends_nz_refusal(worker, monkeypatch):
+    class NZOn(CpuDevice):  # stands in for an NPU whose vllm-ascend has NZ on
+        def weight_update_refusal(self):
+            return "FRACTAL_NZ is on: set weight_nz_mode=0"
+
+    worker.sleep(level=1)
+    with monkeypatch.context() as m:
+        m.setattr(device_mod, "device_for", lambda *a, **k: NZOn())
+        with pytest.raises(ValueError, match="weight_nz_mode=0"):
+            worker.wake_up(None)
+    worker.wake_up(None)

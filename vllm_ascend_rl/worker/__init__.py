@@ -1,12 +1,37 @@
-"""Sleepable workers: vLLM's CPU worker and vllm-ascend's NPU worker on the ``camem`` backend."""
+"""Sleepable workers: vLLM's CPU worker and vllm-ascend's NPU worker on the ``ascend_rl_camem``
+sleep backend."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
+
+RELOAD_HINT = (
+    "the weights were discarded by a level-2 sleep: wake them "
+    "(/wake_up?tags=weights), load new ones (a weight transfer, or reload_weights "
+    "from disk), then wake the KV cache (/wake_up?tags=kv_cache)"
+)
+
+
+def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
+    """The one way both workers get their sleep backend: select ``ascend_rl_camem`` in the
+    model config and build it through vLLM's own factory (the same call in vLLM 0.27.1 and
+    0.32; vllm-ascend's worker has no accessor of its own)."""
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+    from vllm_ascend_rl import register
+    from vllm_ascend_rl._registration import CAMEM_BACKEND
+
+    register()  # a no-op where vLLM's plugin loading already ran it
+    model_config = worker.vllm_config.model_config
+    model_config.sleep_mode_backend = CAMEM_BACKEND
+    return SleepModeBackendFactory.create_backend(model_config)
 
 
 def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> int:
@@ -22,3 +47,59 @@ def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> in
     gc.collect()
     allocator.device.empty_cache()
     return before - allocator.get_current_usage()
+
+
+def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
+    """Every KV-cache tensor the runner holds (``kv_caches`` is a list of tensors in vLLM, of
+    tensors or tuples of them in vllm-ascend)."""
+    import torch
+
+    stack = [getattr(model_runner, "kv_caches", [])]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+
+
+def confine_kv_pool(worker: Any) -> int:
+    """After KV-cache initialization: only the KV cache stays tagged ``kv_cache``; whatever
+    else was allocated in that pool (attention bookkeeping, DSA buffers) is kept across sleep."""
+    return worker.allocator.keep_only("kv_cache", kv_cache_tensors(worker.model_runner))
+
+
+class SleepableMixin:
+    """What both sleepable workers share. A level-2 sleep discards the weights; until new
+    ones are loaded, waking the KV cache (which lets requests run) is refused with what to do.
+    ``memory_in_use`` (an RPC: ``/collective_rpc``) reports the device memory the worker's
+    process holds, so tests and operators read real figures on CPU and NPU alike."""
+
+    _needs_reload = False
+
+    @staticmethod
+    def check_sleep_level(level: int) -> None:
+        """vLLM 0.27.1's /sleep passes any level through; only 1 and 2 reach the workers
+        meaningfully (0 never leaves the engine core)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is not supported: use 1 or 2")
+
+    def refuse_kv_wake_before_reload(self, tags: list[str] | None) -> None:
+        if self._needs_reload and (tags is None or "kv_cache" in tags):
+            raise RuntimeError(f"refusing to wake the KV cache: {RELOAD_HINT}")
+
+    def finish_weight_update(self) -> None:
+        super().finish_weight_update()
+        self._needs_reload = False
+
+    def reload_weights(self, *args: Any, **kwargs: Any) -> None:
+        super().reload_weights(*args, **kwargs)
+        self._needs_reload = False
+
+    def memory_in_use(self) -> dict[str, int]:
+        return {
+            "bytes": self.allocator.device.memory_in_use(),
+            "sleep_pool_bytes": self.allocator.get_current_usage(),
+        }

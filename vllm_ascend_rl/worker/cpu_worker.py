@@ -20,44 +20,45 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from vllm_ascend_rl._registration import registered_name
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
-from vllm_ascend_rl.worker import release_for_sleep
+from vllm_ascend_rl.worker import (
+    RELOAD_HINT,
+    SleepableMixin,
+    attach_sleep_backend,
+    confine_kv_pool,
+    release_for_sleep,
+)
 
 logger = get_logger(__name__)
-
-RELOAD_HINT = (
-    "the weights were discarded by a level-2 sleep: wake them "
-    "(/wake_up?tags=weights), load new ones (a weight transfer, or reload_weights "
-    "from disk), then wake the KV cache (/wake_up?tags=kv_cache)"
-)
 
 
 def _discarded_linear(*_args, **_kwargs):
     raise RuntimeError(f"linear layer used after its weights were discarded: {RELOAD_HINT}")
 
 
-class SleepableCPUWorker(CPUWorker):
+class SleepableCPUWorker(SleepableMixin, CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # vLLM's Worker builds its sleep backend from model_config.sleep_mode_backend.
-        self.vllm_config.model_config.sleep_mode_backend = registered_name(
-            "sleep_mode_backend", "camem"
-        )
         self.allocator = CaMemAllocator.get_instance("host")
+        self.camem_backend = attach_sleep_backend(self)
         self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
-        self._needs_reload = False
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         # Only the KV cache goes to host virtual memory; CPU weights stay torch tensors.
         return self.allocator.use_memory_pool(tag) if tag == "kv_cache" else nullcontext()
 
+    def initialize_from_config(self, *args, **kwargs) -> None:
+        # vLLM 0.27.1 pools all of initialize_kv_cache, 0.32 only the KV allocation.
+        super().initialize_from_config(*args, **kwargs)
+        confine_kv_pool(self)
+
     # -- sleep / wake ------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
+        self.check_sleep_level(level)
         if level >= 2:
             self._discard_weights()
-        released = release_for_sleep(self, self.sleep_mode_backend, level)
+        released = release_for_sleep(self, self.camem_backend, level)
         logger.info(
             "sleep level %d: released %.1f MiB of KV cache%s",
             level,
@@ -71,23 +72,13 @@ class SleepableCPUWorker(CPUWorker):
         wanted = {"weights", "kv_cache"} if tags is None else set(tags)
         if "weights" in wanted and self._discarded:
             self._restore_weight_storage()
-        if "kv_cache" in wanted and self._needs_reload:
-            raise RuntimeError(f"refusing to wake the KV cache: {RELOAD_HINT}")
-        self.sleep_mode_backend.resume(tags)
+        self.refuse_kv_wake_before_reload(tags)
+        self.camem_backend.resume(tags)
 
     def discard(self, tags: tuple[str, ...]) -> None:
         if "weights" in tags:
             self._discard_weights()
-        self.sleep_mode_backend.discard(tuple(t for t in tags if t != "weights"))
-
-    # -- a reload makes the weights valid again ----------------------------------------
-    def finish_weight_update(self) -> None:
-        super().finish_weight_update()
-        self._needs_reload = False
-
-    def reload_weights(self, *args, **kwargs) -> None:
-        super().reload_weights(*args, **kwargs)
-        self._needs_reload = False
+        self.camem_backend.discard(tuple(t for t in tags if t != "weights"))
 
     # -- level-2 weight discard --------------------------------------------------------
     @torch.no_grad()

@@ -1,18 +1,24 @@
-"""SleepableNPUWorker: vllm-ascend's NPU worker with sleep routed through our ``camem`` backend.
+"""SleepableNPUWorker: vllm-ascend's NPU worker with sleep routed through our ``ascend_rl_camem``
+backend.
 
-UNVERIFIED: written against vllm-ascend's worker interface without an Ascend host to run it;
-the CPU twin (:mod:`vllm_ascend_rl.worker.cpu_worker`) is what CI exercises.
+UNVERIFIED: written against vllm-ascend@182b75e's ``NPUWorker`` without an Ascend host to run
+it; the CPU twin (:mod:`vllm_ascend_rl.worker.cpu_worker`) is what CI exercises, and a labelled
+mock of vllm-ascend's worker checks the routing.
 
 Flags on an Ascend host::
 
     --worker-cls vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker
+    --additional-config '{"rl_config": {"enabled": true}}'   # NZ off (vllm-ascend refuses wake
+                                                             # and weight updates with NZ on)
     # do NOT pass --enable-sleep-mode: vllm-ascend would then tag memory into its own allocator
     PYTORCH_NPU_ALLOC_CONF=expandable_segments:False  # the ACL back end refuses them
 
-The weights are loaded and the KV cache allocated inside our allocator's pools (tags
-``weights`` and ``kv_cache``), so ``/sleep?level=1`` backs the weights up to host memory that is
-allocated once and reused, and releases all device memory at the same virtual addresses;
-``/sleep?level=2`` discards the weights too (reload them after waking ``weights``).
+The weights are loaded inside our allocator's ``weights`` pool, and only the KV cache itself
+inside the ``kv_cache`` pool (as vllm-ascend pools it; whatever else KV initialization
+allocates there is kept across sleep). ``/sleep?level=1`` backs the weights up to host memory
+that is allocated once and reused, and releases the device memory of both at the same virtual
+addresses; ``/sleep?level=2`` discards the weights too: wake ``weights``, reload them, then wake
+``kv_cache`` (waking the KV cache first is refused).
 
 vllm-ascend is imported only when the class is first looked up (``--worker-cls`` resolution in
 the worker process), so this module is importable on hosts without it.
@@ -20,51 +26,95 @@ the worker process), so this module is importable on hosts without it.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 _cls: type | None = None
+
+
+@contextmanager
+def _wrapped(obj: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Replace ``obj.name`` by ``wrap(obj.name)`` inside the block (an instance attribute,
+    removed afterwards): the smallest hook into a method we must not copy."""
+    had, previous = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
 
 
 def _build_class() -> type:
     import torch
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
 
+    from vllm_ascend_rl import device as devices
     from vllm_ascend_rl.logs import get_logger
     from vllm_ascend_rl.sleep.allocator import CaMemAllocator
-    from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
-    from vllm_ascend_rl.worker import release_for_sleep
+    from vllm_ascend_rl.worker import (
+        SleepableMixin,
+        attach_sleep_backend,
+        confine_kv_pool,
+        release_for_sleep,
+    )
 
     logger = get_logger(__name__)
 
-    class SleepableNPUWorker(NPUWorker):
+    class SleepableNPUWorker(SleepableMixin, NPUWorker):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            model_config = self.vllm_config.model_config
-            if model_config.enable_sleep_mode:
+            if self.vllm_config.model_config.enable_sleep_mode:
                 raise ValueError(
                     "SleepableNPUWorker brings its own sleep allocator: drop --enable-sleep-mode"
                 )
-            self.allocator = CaMemAllocator.get_instance("acl")
-            # Our backend directly: no reliance on how vllm-ascend builds its own.
-            self.camem_backend = CaMemSleepBackend(self.allocator)
+            self.camem_backend = attach_sleep_backend(self)
             self._saved_buffers: dict[str, torch.Tensor] = {}
+
+        @property
+        def allocator(self) -> CaMemAllocator:
+            # Made on first use: the worker's device is known only after init_device.
+            return CaMemAllocator.get_instance("acl", device=self.device.index or 0)
 
         def load_model(self, *args: Any, **kwargs: Any) -> None:
             with self.allocator.use_memory_pool("weights"):
                 super().load_model(*args, **kwargs)
 
         def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
-            with self.allocator.use_memory_pool("kv_cache"):
+            # Only model_runner.initialize_kv_cache runs in the pool, as in vllm-ascend's own
+            # worker (worker.py:972-1001): the KV connector before it and the KV-zeroing
+            # bookkeeping after it use ordinary memory and survive sleep.
+            def pooled(initialize_kv_cache: Callable) -> Callable:
+                def initialize(*a: Any, **k: Any) -> Any:
+                    with self.allocator.use_memory_pool("kv_cache"):
+                        return initialize_kv_cache(*a, **k)
+
+                return initialize
+
+            with _wrapped(self.model_runner, "initialize_kv_cache", pooled):
                 super().initialize_from_config(*args, **kwargs)
+            confine_kv_pool(self)
 
         def sleep(self, level: int = 1) -> None:
+            self.check_sleep_level(level)
             if level >= 2:  # buffers (rotary caches, ...) are not reloaded from a checkpoint
                 model = self.model_runner.get_model()
-                self._saved_buffers = {n: b.cpu().clone() for n, b in model.named_buffers()}
+                self._saved_buffers = {
+                    name: b.to("cpu", copy=True) for name, b in model.named_buffers()
+                }
+                self._needs_reload = True
             freed = release_for_sleep(self, self.camem_backend, level)
             logger.info("sleep level %d released %.1f MiB", level, freed / 2**20)
 
         def wake_up(self, tags: list[str] | None = None) -> None:
+            # vllm-ascend's own wake_up refuses while FRACTAL_NZ is on (worker.py:247-255).
+            refusal = devices.device_for(self.device).weight_update_refusal()
+            if refusal:
+                raise ValueError(refusal)
+            self.refuse_kv_wake_before_reload(tags)
             self.camem_backend.resume(tags)
             if (tags is None or "weights" in tags) and self._saved_buffers:
                 model = self.model_runner.get_model()

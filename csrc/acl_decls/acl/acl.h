@@ -1,55 +1,96 @@
-// Declarations-only stand-in for CANN's <acl/acl.h>: just the runtime API that vmm_acl.cpp
-// uses, so CI can compile it with -fsyntax-only on machines without CANN and it cannot rot
-// unseen. Never linked; enum values here are placeholders, real builds use CANN's header.
+// Declarations-only subset of CANN's <acl/acl.h>, for CI's compile check of vmm_acl.cpp on
+// hosts without CANN. Never linked; a real build uses CANN's own header.
+// Copied verbatim (enums whole, declarations as written) from hicann/runtime@681ef76
+// (CANN npu-runtime 9.1.0, version.cmake): include/external/acl/acl_base_rt.h (ACL_SUCCESS,
+// aclError, aclrtStream) and include/external/acl/acl_rt.h (everything else).
 #pragma once
 #include <stddef.h>
 #include <stdint.h>
 
-typedef int aclError;
-typedef void* aclrtStream;
-typedef void* aclrtDrvMemHandle;
-#define ACL_SUCCESS 0
+#define ACL_FUNC_VISIBILITY __attribute__((visibility("default")))
 
-typedef enum aclrtMemHandleType { ACL_MEM_HANDLE_TYPE_NONE = 0 } aclrtMemHandleType;
-typedef enum aclrtMemAllocationType { ACL_MEM_ALLOCATION_TYPE_PINNED = 0 } aclrtMemAllocationType;
-typedef enum aclrtMemAttr { ACL_HBM_MEM_HUGE = 0 } aclrtMemAttr;
+typedef void* aclrtStream;
+typedef int aclError;
+static const int ACL_SUCCESS = 0;
+
+typedef enum aclrtMemAttr {
+    ACL_DDR_MEM,
+    ACL_HBM_MEM,
+    ACL_DDR_MEM_HUGE,
+    ACL_DDR_MEM_NORMAL,
+    ACL_HBM_MEM_HUGE,
+    ACL_HBM_MEM_NORMAL,
+    ACL_DDR_MEM_P2P_HUGE,
+    ACL_DDR_MEM_P2P_NORMAL,
+    ACL_HBM_MEM_P2P_HUGE,
+    ACL_HBM_MEM_P2P_NORMAL,
+    ACL_HBM_MEM_HUGE1G,
+    ACL_HBM_MEM_P2P_HUGE1G,
+    ACL_MEM_NORMAL,
+    ACL_MEM_HUGE,
+    ACL_MEM_HUGE1G,
+    ACL_MEM_P2P_NORMAL,
+    ACL_MEM_P2P_HUGE,
+    ACL_MEM_P2P_HUGE1G,
+} aclrtMemAttr;
+
 typedef enum aclrtMemLocationType {
-  ACL_MEM_LOCATION_TYPE_HOST = 0,
-  ACL_MEM_LOCATION_TYPE_DEVICE = 1
+    ACL_MEM_LOCATION_TYPE_HOST = 0, /**< reserved enum, current version not support */
+    ACL_MEM_LOCATION_TYPE_DEVICE,
+    ACL_MEM_LOCATION_TYPE_UNREGISTERED,
+    ACL_MEM_LOCATION_TYPE_MANAGED,
+    ACL_MEM_LOCATION_TYPE_HOST_NUMA = 4, /*alloc host memeory via NUMA ID */
 } aclrtMemLocationType;
-typedef enum aclrtMemGranularityOptions {
-  ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM = 0
-} aclrtMemGranularityOptions;
 
 typedef struct aclrtMemLocation {
-  uint32_t id;
-  aclrtMemLocationType type;
+    uint32_t id;
+    aclrtMemLocationType type;
 } aclrtMemLocation;
 
+typedef enum aclrtMemAllocationType {
+    ACL_MEM_ALLOCATION_TYPE_PINNED = 0,
+} aclrtMemAllocationType;
+
+typedef enum aclrtMemHandleType {
+    ACL_MEM_HANDLE_TYPE_NONE = 0,
+    ACL_MEM_HANDLE_TYPE_POSIX = 2,
+} aclrtMemHandleType;
+
 typedef struct aclrtPhysicalMemProp {
-  aclrtMemHandleType handleType;
-  aclrtMemAllocationType allocationType;
-  aclrtMemAttr memAttr;
-  aclrtMemLocation location;
-  uint64_t reserve;
+    aclrtMemHandleType handleType;
+    aclrtMemAllocationType allocationType;
+    aclrtMemAttr memAttr;
+    aclrtMemLocation location;
+    uint64_t reserve;
 } aclrtPhysicalMemProp;
+
+typedef enum aclrtMemGranularityOptions {
+    ACL_RT_MEM_ALLOC_GRANULARITY_MINIMUM,
+    ACL_RT_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+    ACL_RT_MEM_ALLOC_GRANULARITY_UNDEF = 0xFFFF,
+} aclrtMemGranularityOptions;
+
+typedef void* aclrtDrvMemHandle;
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-aclError aclrtMemGetAllocationGranularity(aclrtPhysicalMemProp* prop,
-                                          aclrtMemGranularityOptions option,
-                                          size_t* granularity);
-aclError aclrtReserveMemAddress(void** virPtr, size_t size, size_t alignment, void* expectPtr,
-                                uint64_t flags);
-aclError aclrtReleaseMemAddress(void* virPtr);
-aclError aclrtMallocPhysical(aclrtDrvMemHandle* handle, size_t size,
-                             const aclrtPhysicalMemProp* prop, uint64_t flags);
-aclError aclrtFreePhysical(aclrtDrvMemHandle handle);
-aclError aclrtMapMem(void* virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle,
-                     uint64_t flags);
-aclError aclrtUnmapMem(void* virPtr);
-const char* aclGetRecentErrMsg(void);
+ACL_FUNC_VISIBILITY const char* aclGetRecentErrMsg();
+ACL_FUNC_VISIBILITY aclError aclrtSetDevice(int32_t deviceId);
+ACL_FUNC_VISIBILITY aclError aclrtGetDevice(int32_t* deviceId);
+ACL_FUNC_VISIBILITY aclError aclrtSynchronizeDevice(void);
+ACL_FUNC_VISIBILITY aclError aclrtMemset(void* devPtr, size_t maxCount, int32_t value, size_t count);
+ACL_FUNC_VISIBILITY aclError aclrtReserveMemAddress(
+    void** virPtr, size_t size, size_t alignment, void* expectPtr, uint64_t flags);
+ACL_FUNC_VISIBILITY aclError aclrtReleaseMemAddress(void* virPtr);
+ACL_FUNC_VISIBILITY aclError aclrtMallocPhysical(
+    aclrtDrvMemHandle* handle, size_t size, const aclrtPhysicalMemProp* prop, uint64_t flags);
+ACL_FUNC_VISIBILITY aclError aclrtFreePhysical(aclrtDrvMemHandle handle);
+ACL_FUNC_VISIBILITY aclError aclrtMapMem(
+    void* virPtr, size_t size, size_t offset, aclrtDrvMemHandle handle, uint64_t flags);
+ACL_FUNC_VISIBILITY aclError aclrtUnmapMem(void* virPtr);
+ACL_FUNC_VISIBILITY aclError aclrtMemGetAllocationGranularity(
+    aclrtPhysicalMemProp* prop, aclrtMemGranularityOptions option, size_t* granularity);
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,67 @@
+"""The CPU stand-in for torch_npu's pluggable-allocator pool: inside the block, plain
+``torch.zeros``/``torch.empty`` calls on the CPU are served from the sleep allocator.
+
+This is how :class:`~vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker` places its KV cache in
+host virtual memory. Only calls whose result is an ordinary contiguous CPU tensor are served;
+anything else (``out=``, another layout or memory format, pinned or grad-requiring tensors)
+falls through to torch unchanged. A served tensor owns its memory: when its last view dies the
+allocation is freed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+
+_SERVED = (torch.zeros, torch.empty)
+_KNOWN_KWARGS = {"size", "dtype", "device", "layout", "pin_memory", "requires_grad"}
+
+
+class HostAllocationMode(TorchFunctionMode):
+    def __init__(self, allocator: CaMemAllocator, tag: str) -> None:
+        super().__init__()
+        self.allocator, self.tag = allocator, tag
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        shape = _servable_shape(func, args, kwargs)
+        if shape is not None:
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            numel = 1
+            for d in shape:
+                numel *= d
+            nbytes = numel * dtype.itemsize
+            if nbytes > 0:
+                alloc = self.allocator.allocate(nbytes, self.tag)  # zero-filled memory
+                flat = self.allocator.tensor(alloc, nbytes, owned=True)
+                return flat.view(dtype).view(shape)
+        return func(*args, **kwargs)
+
+
+def _servable_shape(func, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The requested shape if this call is one the pool serves, else None."""
+    if func not in _SERVED or set(kwargs) - _KNOWN_KWARGS:
+        return None
+    if kwargs.get("pin_memory") or kwargs.get("requires_grad"):
+        return None
+    if kwargs.get("layout") not in (None, torch.strided):
+        return None
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type != "cpu":
+        return None
+    if "size" in kwargs:
+        if args:
+            return None
+        size = kwargs["size"]
+    else:
+        size = args[0] if len(args) == 1 and isinstance(args[0], list | tuple) else args
+    try:
+        shape = tuple(int(d) for d in size)
+    except (TypeError, ValueError):
+        return None
+    return shape if all(d >= 0 for d in shape) else None
