@@ -56,7 +56,7 @@ def bench_server(path, backend: str) -> VLLMServer:
 def trainer_engine(backend: str, url: str, model: torch.nn.Module, **init):
     """``trainer_init`` through vLLM's factory, as a user would."""
     init.setdefault("timeout_s", 600)
-    if backend == "hccl":
+    if backend == "ascend_rl_hccl":
         from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
         info = HCCLTrainerInitInfo(

@@ -61,15 +61,15 @@ def main() -> int:
     nbytes = model_bytes(model)
     print(f"model: {nbytes / 1e9:.2f} GB bf16", flush=True)
     row = {}
-    with bench_server(path, "npu_ipc") as server:
+    with bench_server(path, "ascend_rl_npu_ipc") as server:
         # The bound is measured beside the idle engine, as the transport is.
         row["memcpy_s"] = memcpy_s(nbytes, args.repeats)
-        engine = trainer_engine("npu_ipc", server.url, model)
+        engine = trainer_engine("ascend_rl_npu_ipc", server.url, model)
         row["ipc_s"] = e2e_s(engine, args.repeats)
         row["transport_s"] = median_transport_s(engine, server.url, args.repeats)
         engine.shutdown()
-    with bench_server(path, "hccl") as server:
-        engine = trainer_engine("hccl", server.url, model)
+    with bench_server(path, "ascend_rl_hccl") as server:
+        engine = trainer_engine("ascend_rl_hccl", server.url, model)
         row["hccl_s"] = e2e_s(engine, args.repeats)
         engine.shutdown()
     bound, speedup = row["transport_s"] / row["memcpy_s"], row["hccl_s"] / row["ipc_s"]

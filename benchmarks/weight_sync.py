@@ -69,9 +69,9 @@ def measure(name: str, spec: TinyModelSpec, repeats: int) -> dict:
     ntensors = sum(1 for _ in model.parameters())
     print(f"[{name}] {nbytes / 1e9:.2f} GB in {ntensors} tensors; starting vLLM ...", flush=True)
     row = {"model": name, "GB": nbytes / 1e9, "tensors": ntensors}
-    with bench_server(path, "hccl") as server:
+    with bench_server(path, "ascend_rl_hccl") as server:
         for mode, packed in (("packed", True), ("tensor", False)):
-            engine = trainer_engine("hccl", server.url, model, packed=packed)
+            engine = trainer_engine("ascend_rl_hccl", server.url, model, packed=packed)
             row[f"{mode}_s"] = e2e_s(engine, repeats)
             row[f"{mode}_transport_s"] = median_transport_s(engine, server.url, repeats)
             if packed:

@@ -2,8 +2,8 @@
 trainer produces k+1; pause(keep); sync; resume; validate.
 
 With no arguments, on CPU: builds tiny random-weight checkpoints v1..v4, starts a vLLM server on
-v1 with ``--weight-transfer-config '{"backend": "hccl"}'`` and the plugin scheduler, plus a
-reference server used only for validation. This script is the trainer. Each step streams
+v1 with ``--weight-transfer-config '{"backend": "ascend_rl_hccl"}'`` and the plugin scheduler,
+plus a reference server used only for validation. This script is the trainer. Each step streams
 requests on weights k while a "training step" (loading checkpoint k+1) runs in a thread; once
 every request has some tokens the server is paused with ``mode=keep``, the weights are sent,
 and the server resumes. In-flight requests then recompute their context and continue on the
@@ -49,4 +49,4 @@ def connect(url: str, model, args):
 
 
 if __name__ == "__main__":
-    sys.exit(demo_main(demo_args(__doc__.split("\n\n")[0]), "hccl", connect))
+    sys.exit(demo_main(demo_args(__doc__.split("\n\n")[0]), "ascend_rl_hccl", connect))

@@ -1,8 +1,8 @@
 """Colocated RL with vLLM and the NPU-IPC weight-transfer engine: trainer and engine share a
 chip, so weights are handed over through shared staging buffers instead of a collective.
 
-With no arguments, on CPU (shared memory stands in for NPU IPC): builds tiny checkpoints
-v1..v4, starts a vLLM server on v1 with ``--weight-transfer-config '{"backend": "npu_ipc"}'``
+With no arguments, on CPU (shared memory stands in for NPU IPC): builds tiny checkpoints v1..v4,
+starts a vLLM server on v1 with ``--weight-transfer-config '{"backend": "ascend_rl_npu_ipc"}'``,
 the plugin scheduler and the sleepable CPU worker, plus a reference server used only for
 validation. Each step streams requests on weights k, then ``/sleep?level=2&mode=keep`` (the
 engine gives its KV cache and weights back while the trainer trains: it loads checkpoint k+1),
@@ -45,7 +45,7 @@ if __name__ == "__main__":
     sys.exit(
         demo_main(
             demo_args(__doc__.split("\n\n")[0]),
-            "npu_ipc",
+            "ascend_rl_npu_ipc",
             connect,
             engine_flags=["--worker-cls", SLEEPABLE_CPU_WORKER],
             colocated=True,

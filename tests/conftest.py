@@ -1,12 +1,42 @@
-"""Fixtures shared by unit and end-to-end tests."""
+"""Fixtures and options shared by unit and end-to-end tests.
+
+``--device npu`` (or ``VLLM_ASCEND_RL_DEVICE=npu``) is the one switch that makes the e2e suites
+start NPU servers and trainers: it is exported to every process the tests start. ``make
+test-npu`` runs ``-m ascend`` (every test that runs on NPUs) that way on an Ascend host.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from vllm_ascend_rl.testing import TinyModelSpec, build_tiny_model
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device",
+        choices=("cpu", "npu"),
+        default=os.environ.get("VLLM_ASCEND_RL_DEVICE", "cpu"),
+        help="device the suites run on (exported as VLLM_ASCEND_RL_DEVICE)",
+    )
+
+
+def pytest_configure(config):
+    os.environ["VLLM_ASCEND_RL_DEVICE"] = config.getoption("--device")
+
+
+def pytest_collection_modifyitems(config, items):
+    on_npu = config.getoption("--device") == "npu"
+    need_npu = pytest.mark.skip(reason="needs Ascend NPUs: make test-npu on an Ascend host")
+    need_cpu = pytest.mark.skip(reason="exercises a CPU stand-in of the hardware")
+    for item in items:
+        if item.get_closest_marker("npu_only") and not on_npu:
+            item.add_marker(need_npu)
+        if item.get_closest_marker("cpu_only") and on_npu:
+            item.add_marker(need_cpu)
 
 
 @pytest.fixture(scope="session")

@@ -156,6 +156,14 @@ class EngineControlClient:
             json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
         )
 
+    def collective_rpc(self, method: str, **kwargs: str) -> list[list[Any]] | None:
+        """Call ``method`` on every worker of every engine (vLLM's dev-mode
+        ``/collective_rpc``); one list of worker results per engine."""
+        out = self._fan_out("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        return (
+            None if out is None else [o.get("results") if isinstance(o, dict) else o for o in out]
+        )
+
     def world_size(self) -> int | None:
         out = self._fan_out("GET", "/get_world_size")
         return None if out is None else self._agreed((o["world_size"] for o in out), "world_size")

@@ -7,7 +7,6 @@ queued behind a pause and admitted together, so the cache is overcommitted for c
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -31,15 +30,15 @@ from vllm_ascend_rl.testing import (
     serving,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
-BOUNCE = json.dumps({"ascend_rl": {"recompute_mode": "bounce"}})
+BOUNCE = {"ascend_rl": {"recompute_mode": "bounce"}}
 BLOCKS = 24  # x 32 tokens; one is the null block
 MAX_TOKENS = 300
 PROMPTS = [f"Request {i}: tell me about the number {i * 37 % 101} and why" for i in range(10)]
 
 
-def bounce_engine_args(mode: str = BOUNCE) -> list[str]:
+def bounce_engine_args() -> list[str]:
     return [
         *engine_args(),
         "--scheduler-cls",
@@ -50,8 +49,6 @@ def bounce_engine_args(mode: str = BOUNCE) -> list[str]:
         str(BLOCKS),
         "--max-num-seqs",
         "8",
-        "--additional-config",
-        mode,
     ]
 
 
@@ -62,6 +59,7 @@ def servers(tiny_model, tmp_path_factory):
         tiny_model,
         max_model_len=512,
         extra_args=bounce_engine_args(),
+        additional_config=BOUNCE,
         log_path=logs / "bounce.log",
     )
     reference = VLLMServer(tiny_model, extra_args=engine_args(), log_path=logs / "reference.log")
@@ -127,7 +125,8 @@ def test_an_unknown_recompute_mode_fails_start_up_clearly(tiny_model, tmp_path):
     bad = VLLMServer(
         tiny_model,
         max_model_len=512,
-        extra_args=bounce_engine_args(json.dumps({"ascend_rl": {"recompute_mode": "sideways"}})),
+        extra_args=bounce_engine_args(),
+        additional_config={"ascend_rl": {"recompute_mode": "sideways"}},
         log_path=tmp_path / "bad.log",
     )
     with pytest.raises(ServerStartError):

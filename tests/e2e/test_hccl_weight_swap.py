@@ -1,28 +1,33 @@
 """The seed's async-RL e2e with the HCCL engine on CPU (gloo), plus its error paths.
 
-A server starts on v1 weights with ``--weight-transfer-config '{"backend": "hccl"}'`` and the
-plugin scheduler; a separate trainer process holds v2 (same shape, other seed). Requests stream;
-``/pause?mode=keep`` -> ``send_weights()`` -> ``/resume``; every request must finish with all its
-tokens, and greedy generation on a fresh v2 server from prompt + tokens-before-pause must
-reproduce the tokens after the pause exactly. The shared cases are in ``weight_sync_cases``.
+A server starts on v1 weights with ``--weight-transfer-config '{"backend": "ascend_rl_hccl"}'``
+and the plugin scheduler; a separate trainer process holds v2 (same shape, other seed). Requests
+stream; ``/pause?mode=keep`` -> ``send_weights()`` -> ``/resume``; every request must finish
+with all its tokens, and greedy generation on a fresh v2 server from prompt +
+tokens-before-pause must reproduce the tokens after the pause exactly. The shared cases are in
+``weight_sync_cases``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
-from tests.e2e.weight_sync_cases import WeightSyncCases
+from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
+from tests.support.standin_vllm_ascend import install_standin
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import free_port
+from vllm_ascend_rl.compat import has_weight_version_spans, scale_out_flags
+from vllm_ascend_rl.testing import free_port, greedy_token_ids
 from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
 from vllm_ascend_rl.testing.trainer import TrainerError
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
 
 def _post(engine, route, **kw):
@@ -49,12 +54,48 @@ def _settled(tokens: list, quiet_s: float = 0.3) -> int:
 
 
 class TestHCCLWeightSwap(WeightSyncCases):
-    backend = "hccl"
-    extra_engine_args = ["--enable-scale-out"]  # /inference/v1/generate: weight-version spans
+    """Every case runs with a stand-in of vllm-ascend's plugin discovered first in the engine
+    and trainer processes: it registers vllm-ascend's names (engines ``hccl``, ``npu_ipc``,
+    trainers ``npu_ipc``, ``hccl``) without a guard, as vllm-ascend does."""
 
+    backend = "ascend_rl_hccl"
+    extra_engine_args = scale_out_flags()  # /inference/v1/generate: weight-version spans
+
+    @pytest.fixture(scope="class")
+    def plugin_env(self, tmp_path_factory) -> dict[str, str]:
+        root = tmp_path_factory.mktemp("standin")
+        path = install_standin(root / "site")
+        return {
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])),
+            "STANDIN_MARKER": str(root / "pids"),
+        }
+
+    def test_syncs_beside_vllm_ascends_registrations(
+        self, engine, reference, trainer, on_v1, plugin_env
+    ):
+        """vLLM ran the stand-in in the API server, the engine core, the worker and the
+        trainer (4 processes), and a sync through ascend_rl_hccl still lands exactly."""
+        pids = set(Path(plugin_env["STANDIN_MARKER"]).read_text().split())
+        assert len(pids) >= 4, pids
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    def test_weight_version_reaches_weight_info(self, engine, trainer, on_v1):
+        """The version given to send_weights() reaches finish_weight_update."""
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2-info")
+        assert requests.get(engine.url + "/weight_info", timeout=10).json() == {
+            "weight_version": "v2-info"
+        }
+
+    @pytest.mark.skipif(
+        not has_weight_version_spans(),
+        reason="vLLM 0.27.1 has no per-output weight-version spans (0.32 has them)",
+    )
     def test_weight_version_tags_the_tokens_it_produced(self, engine, trainer, on_v1):
-        """The version given to send_weights() reaches finish_weight_update: vLLM's
-        per-output weight-version spans split one request's tokens into v1's and v2's."""
+        """vLLM's per-output weight-version spans split one request's tokens into v1's and
+        v2's."""
         self.init(trainer, engine)
         total = 1500  # long enough that the pause lands mid-stream on a loaded machine
         tokens: list[int] = []

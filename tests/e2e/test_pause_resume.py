@@ -22,7 +22,7 @@ from vllm_ascend_rl.testing import (
     engine_args,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(600)]
 
 MODES = ("abort", "wait", "keep")
 PROMPT = "The quick brown fox jumps over the lazy dog"
@@ -35,10 +35,9 @@ def server(request, tiny_model, tmp_path_factory):
     args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
     if request.param.startswith("plugin"):
         args += ["--scheduler-cls", PLUGIN_SCHEDULER]
-    if request.param == "plugin-bounce":
-        args += ["--additional-config", '{"ascend_rl": {"recompute_mode": "bounce"}}']
+    bounce = {"ascend_rl": {"recompute_mode": "bounce"}} if request.param == "plugin-bounce" else {}
     log = tmp_path_factory.mktemp("logs") / f"server-{request.param}.log"
-    srv = VLLMServer(tiny_model, extra_args=args, log_path=log)
+    srv = VLLMServer(tiny_model, extra_args=args, log_path=log, additional_config=bounce)
     srv.start()
     srv.scheduler_kind = request.param
     yield srv
@@ -83,10 +82,12 @@ def test_pause_resume_state_is_idempotent_across_cycles(server, ctl):
                 assert r.status_code == 200, r.text
                 assert r.json() == {"status": "paused"}
                 assert is_paused(server) is True
+                assert ctl.is_sleeping() is True  # vLLM counts a paused scheduler as asleep
             for _ in range(2):
                 r = post(server, "/resume")
                 assert r.status_code == 200, r.text
                 assert is_paused(server) is False
+                assert ctl.is_sleeping() is False
 
 
 @pytest.mark.parametrize("start_paused", [False, True], ids=["from_unpaused", "from_paused"])

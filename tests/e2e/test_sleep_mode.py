@@ -1,16 +1,17 @@
-"""Sleep mode on CPU over HTTP: ``/sleep?level=1|2``, ``/wake_up?tags=...``, ``/is_sleeping``,
-with ``--worker-cls vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker`` (KV cache in host
-virtual memory from the ``camem`` allocator)."""
+"""Sleep mode over HTTP: ``/sleep?level=1|2``, ``/wake_up?tags=...``, ``/is_sleeping``, with the
+device's sleepable worker (CPU: ``SleepableCPUWorker``, KV cache in host virtual memory from the
+sleep allocator; NPU: ``SleepableNPUWorker``). Memory figures are what the workers' processes
+hold on the device (on CPU: their resident set), read through ``/collective_rpc``."""
 
 from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 import requests
 
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+from vllm_ascend_rl.compat import sleep_route_validates_level
 from vllm_ascend_rl.testing import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
@@ -20,12 +21,13 @@ from vllm_ascend_rl.testing import (
     engine_args,
     greedy_token_ids,
 )
+from vllm_ascend_rl.testing.profile import current_profile, trainer_env
 from vllm_ascend_rl.testing.tiny_model import parameter_shapes
 from vllm_ascend_rl.testing.trainer import TrainerProcess
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
-WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
+WORKER = current_profile().sleepable_worker
 SPEC = TinyModelSpec(
     seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
 )  # ~210 MB of bf16 weights
@@ -52,7 +54,7 @@ def server(model, tmp_path_factory):
             "--scheduler-cls",
             PLUGIN_SCHEDULER,
             "--weight-transfer-config",
-            '{"backend": "npu_ipc"}',
+            '{"backend": "ascend_rl_npu_ipc"}',
         ],
     )
     srv.start()
@@ -81,7 +83,9 @@ def ctl(server, model):
 
 
 def rss(server: VLLMServer) -> int:
-    return sum(psutil.Process(p).memory_info().rss for p in server.pids())
+    """Device memory held by the server's workers."""
+    workers = EngineControlClient(server.url).collective_rpc("memory_in_use")[0]
+    return sum(w["bytes"] for w in workers)
 
 
 def weight_bytes() -> int:
@@ -126,8 +130,9 @@ def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
 
 
 def test_level2_reload_by_a_weight_transfer(server, ctl, baseline, model, tmp_path):
-    with TrainerProcess(model, log_path=tmp_path / "trainer.log") as trainer:
-        trainer.init("npu_ipc", server.url, timeout_s=60)
+    env = trainer_env(engine_chips=1, colocated=True)
+    with TrainerProcess(model, log_path=tmp_path / "trainer.log", env=env) as trainer:
+        trainer.init("ascend_rl_npu_ipc", server.url, timeout_s=60)
         ctl.sleep(2)  # the colocated trainer would train now
         ctl.wake_up(["weights"])
         trainer.send(weight_version="after-sleep")
@@ -165,10 +170,20 @@ def test_staged_wake_keeps_the_scheduler_paused_until_everything_is_awake(server
     assert ctl.is_sleeping() is False
 
 
-def test_bad_and_repeated_calls_are_harmless(server, ctl, baseline):
+def test_an_invalid_sleep_level_is_refused(server, ctl, baseline):
+    """vLLM 0.32 refuses level 3 at the route (4xx). vLLM 0.27.1's /sleep does not validate the
+    level: it pauses and hands 3 to the workers, which refuse it (no weight is discarded)."""
     r = requests.post(server.url + "/sleep", params={"level": 3}, timeout=60)
-    assert 400 <= r.status_code < 500, r.text
+    if sleep_route_validates_level():
+        assert 400 <= r.status_code < 500, r.text
+    else:
+        assert r.status_code == 500 and "sleep level 3 is not supported" in r.text, r.text
+        ctl.resume()  # 0.27.1 paused the scheduler before the workers refused
     assert ctl.is_sleeping() is False
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+def test_repeated_calls_are_harmless(server, ctl, baseline):
     for _ in range(2):
         assert (
             requests.post(server.url + "/sleep", params={"level": 1}, timeout=120).status_code

@@ -22,6 +22,7 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
+from vllm_ascend_rl.testing.profile import trainer_env
 from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
 from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
 
@@ -56,7 +57,7 @@ BAD_METADATA = {
 def init_trainer(backend: str, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
     """``trainer_init`` for ``backend`` with test-friendly defaults."""
     kw.setdefault("timeout_s", 30)
-    if backend == "hccl":
+    if backend == "ascend_rl_hccl":
         kw.setdefault("world_size", 2)
         kw.setdefault("master_address", "127.0.0.1")
         kw.setdefault("master_port", free_port())
@@ -73,12 +74,23 @@ class WeightSyncCases:
         return build_model_pair()
 
     @pytest.fixture(scope="class")
-    def servers(self, models, tmp_path_factory):
+    def plugin_env(self, tmp_path_factory) -> dict[str, str]:
+        """Extra environment of the engine server and the trainer process."""
+        return {}
+
+    def trainer_env(self, plugin_env: dict[str, str]) -> dict[str, str]:
+        """A trainer on the engine's chip (NPU IPC) or on the next one (HCCL)."""
+        colocated = self.backend == "ascend_rl_npu_ipc"
+        return {**plugin_env, **trainer_env(engine_chips=1, colocated=colocated)}
+
+    @pytest.fixture(scope="class")
+    def servers(self, models, tmp_path_factory, plugin_env):
         v1, v2 = models
         logs = tmp_path_factory.mktemp(f"{self.backend}-logs")
         backend_flag = f'{{"backend": "{self.backend}"}}'
         engine = VLLMServer(
             v1,
+            env=plugin_env,
             log_path=logs / "engine.log",
             extra_args=[
                 *engine_args(),
@@ -107,9 +119,9 @@ class WeightSyncCases:
         return greedy_token_ids(engine.url, PROBE, 24)
 
     @pytest.fixture(scope="class")
-    def trainer(self, models, tmp_path_factory):
+    def trainer(self, models, tmp_path_factory, plugin_env):
         log = tmp_path_factory.mktemp(f"{self.backend}-trainer") / "trainer.log"
-        with TrainerProcess(models[1], log_path=log) as t:
+        with TrainerProcess(models[1], log_path=log, env=self.trainer_env(plugin_env)) as t:
             yield t
 
     @pytest.fixture
@@ -159,9 +171,12 @@ class WeightSyncCases:
         trainer.send(weight_version="v2")  # a refusal leaves the connection usable
         assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
 
-    def test_trainer_dying_mid_transfer(self, engine, reference, models, trainer, on_v1, tmp_path):
+    def test_trainer_dying_mid_transfer(
+        self, engine, reference, models, trainer, on_v1, tmp_path, plugin_env
+    ):
         timeout_s = 10
-        with TrainerProcess(models[1], log_path=tmp_path / "dying.log") as doomed:
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "dying.log", env=env) as doomed:
             self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
             t0 = time.monotonic()
             with pytest.raises(TrainerError, match="exited"):

@@ -67,13 +67,13 @@ def swap_mid_generation(
     sync: Callable[[], Any],
     *,
     prompts: Sequence[str] = PROMPTS,
-    max_tokens: int = 300,
+    max_tokens: int = 600,
     min_tokens: int = 8,
     clear_cache: bool = True,
     model: str = "tiny",
     timeout_s: float = 300,
     before_pause: Callable[[], Any] | None = None,
-    attempts: int = 3,
+    attempts: int = 5,
 ) -> SwapOutcome:
     """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
     e.g. the trainer's step, has returned); ``sync()``; resume.
@@ -85,6 +85,12 @@ def swap_mid_generation(
     already finished → resume and retry the round with a shorter first probe.
     """
     ctl = EngineControlClient(url, timeout_s=timeout_s)
+    # The first streams a server serves can reach the client late (lazy set-up in the API
+    # server): a probe then reads no tokens while the engine finishes every request. Warm the
+    # streaming path up first.
+    warm = StreamingCompletion(url, prompts[0], 4, model=model)
+    warm.start()
+    warm.join(timeout_s)
     probe_s = 0.05
     for attempt in range(attempts):
         streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]

@@ -8,6 +8,7 @@ kills the whole group, so no engine-core or worker process outlives a test.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import requests
+
+from vllm_ascend_rl.testing.profile import current_profile
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,6 +50,8 @@ class VLLMServer:
         host: str = "127.0.0.1",
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = 300.0,
+        additional_config: dict | None = None,
+        chips: int = 1,
     ) -> None:
         self.model = str(model)
         self.extra_args = list(extra_args)
@@ -60,7 +65,11 @@ class VLLMServer:
             if log_path
             else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         )
+        self.profile = current_profile()
+        self.additional_config = {**self.profile.additional_config, **(additional_config or {})}
         self.env = dict(os.environ)
+        self.env.update(self.profile.server_env)
+        self.env.update(self.profile.chips_env(list(range(chips))))
         self.env.update(
             {
                 "VLLM_SERVER_DEV_MODE": "1",
@@ -96,7 +105,12 @@ class VLLMServer:
             "--max-model-len",
             str(self.max_model_len),
             "--gpu-memory-utilization",
-            "0.1",
+            self.profile.memory_fraction,
+            *(
+                ["--additional-config", json.dumps(self.additional_config)]
+                if self.additional_config
+                else []
+            ),
             *self.extra_args,
         ]
 

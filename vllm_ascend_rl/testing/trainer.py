@@ -8,7 +8,7 @@ behind a marker, so library logging cannot be mistaken for a reply. It can also 
 purpose (wrong metadata, dying mid-transfer) to exercise the engine's error paths.
 
     with TrainerProcess(v2_path) as trainer:
-        trainer.init("hccl", server.url, world_size=2)
+        trainer.init("ascend_rl_hccl", server.url, world_size=2)
         result = trainer.send(weight_version="v2")
 """
 
@@ -92,6 +92,11 @@ class TrainerProcess:
 
     def init(self, backend: str, url: str, **init_info: Any) -> None:
         self.request("init", backend=backend, url=url, init_info=init_info)
+
+    def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
+        """Form torch.distributed's default (gloo) group with the other trainer processes,
+        as a multi-rank trainer has one."""
+        self.request("dist_init", port=master_port, rank=rank, world_size=world_size)
 
     def send(self, weight_version: str | None = None, **faults: Any) -> dict:
         return self.request("send", weight_version=weight_version, faults=faults)
@@ -182,7 +187,13 @@ def _serve(model_path: str) -> None:
     from vllm_ascend_rl.testing.tiny_model import load_hf_model
 
     vllm_ascend_rl.register()
-    model = load_hf_model(model_path)
+    # A trainer that embeds vLLM (an in-process engine, Ray) also runs every general plugin.
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    from vllm_ascend_rl.device import current_device
+
+    model = load_hf_model(model_path).to(current_device().torch_device())
     engine = None
 
     def reply(ok: bool, result: Any = None, error: str | None = None) -> None:
@@ -200,6 +211,16 @@ def _serve(model_path: str) -> None:
                     engine.shutdown()
                 reply(True)
                 return
+            elif cmd == "dist_init":
+                import torch.distributed as dist
+
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"tcp://127.0.0.1:{msg['port']}",
+                    rank=msg["rank"],
+                    world_size=msg["world_size"],
+                )
+                reply(True)
             elif cmd == "load":
                 with torch.no_grad():
                     model.load_state_dict(
@@ -249,14 +270,14 @@ def _serve(model_path: str) -> None:
 
 
 def _init_info(backend: str, fields: dict):
-    if backend == "hccl":
+    if backend == "ascend_rl_hccl":
         from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
-        return HCCLTrainerInitInfo(rank=0, **fields)
-    if backend == "npu_ipc":
+        return HCCLTrainerInitInfo(**{"rank": 0, **fields})
+    if backend == "ascend_rl_npu_ipc":
         from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
-        return NPUIPCTrainerInitInfo(rank=0, **fields)
+        return NPUIPCTrainerInitInfo(**{"rank": 0, **fields})
     raise ValueError(f"unknown backend {backend!r}")
 
 
