@@ -20,6 +20,7 @@ A rank that fails tells the sender (and its workers) at once; so does the sender
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import asdict
@@ -185,15 +186,14 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
 
     def _connect_as_sender(self, acceptor: Acceptor, worker_info, num_peers: int) -> None:
         timeout_s = self.init_info.timeout_s
-        waited = 0.0
+        deadline = time.monotonic() + timeout_s
         while len(acceptor.peers) < num_peers:  # the other ranks connect right after the gather
-            if waited > timeout_s:
+            if time.monotonic() > deadline:
                 raise WeightSyncError(
                     f"only {len(acceptor.peers)} of {num_peers} other trainer ranks reached the "
                     f"sender's doorbell within timeout_s={timeout_s:.0f}s"
                 )
-            threading.Event().wait(0.05)
-            waited += 0.05
+            time.sleep(0.05)
         init_call = BackgroundCall(
             "init_weight_transfer_engine",
             self.client.init_weight_transfer_engine,
