@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.compat import sleep_route_validates_level
+from vllm_ascend_rl.compat import has_route, sleep_route_validates_level
 from vllm_ascend_rl.testing import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
@@ -82,10 +82,15 @@ def ctl(server, model):
     client.resume()
 
 
-def rss(server: VLLMServer) -> int:
-    """Device memory held by the server's workers."""
+def rss(server: VLLMServer, field: str = "bytes") -> int:
+    """Device memory held by the server's workers (on CPU: their resident set)."""
     workers = EngineControlClient(server.url).collective_rpc("memory_in_use")[0]
-    return sum(w["bytes"] for w in workers)
+    return sum(w[field] for w in workers)
+
+
+def pooled(server: VLLMServer) -> int:
+    """Physical memory the workers' sleep allocators hold (mapped, touched or not)."""
+    return rss(server, "sleep_pool_bytes")
 
 
 def weight_bytes() -> int:
@@ -107,6 +112,23 @@ def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, basel
     print(f"\nlevel 1 freed {freed >> 20} MiB ({freed / (KV_GIB << 30):.1%} of the KV cache)")
     assert freed >= 0.9 * (KV_GIB << 30), f"freed {freed >> 20} MiB of a {KV_GIB} GiB KV cache"
     ctl.wake_up()
+    assert ctl.is_sleeping() is False
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
+@pytest.mark.skipif(
+    not has_route("/release_kv_cache_memory"),
+    reason="vLLM 0.27.1 has no /release_kv_cache_memory (selective discard came later)",
+)
+def test_release_kv_cache_memory_discards_only_the_kv_cache(server, ctl, baseline):
+    ctl.pause("wait")  # vLLM wants a completed pause with no request in flight
+    before = pooled(server)
+    r = requests.post(server.url + "/release_kv_cache_memory", timeout=120)
+    assert r.status_code == 200, r.text
+    freed = before - pooled(server)  # earlier wakes map lazily: count the pool, not RSS
+    assert freed >= 0.9 * (KV_GIB << 30), f"freed {freed >> 20} MiB of a {KV_GIB} GiB KV cache"
+    assert ctl.is_sleeping() is True
+    ctl.wake_up(["kv_cache"])  # the weights never left: output is unchanged
     assert ctl.is_sleeping() is False
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
 

@@ -84,10 +84,11 @@ class BroadcastChannel:
                 time.sleep(pause)
                 pause = min(0.002, pause + 0.0001)
             work.wait()
-            # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
-            # is_success also checks the communicator (ProcessGroupHCCL.cpp:816-823).
-            if not work.is_success():
-                raise RuntimeError(f"the collective did not succeed: {work.exception()}")
+            # With our group's watchdog off (NPU), an HCCL error need not raise in wait(); the
+            # work records it, communicator errors included (ProcessGroupHCCL.cpp:807-841).
+            failure = work.exception()
+            if failure is not None:
+                raise RuntimeError(f"the collective failed: {failure}")
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
             if "Timed out" in str(e) and "no progress" not in detail:  # the backend's own timer
