@@ -152,9 +152,10 @@ class Device(ABC):
     # -- the weight-broadcast group (see vllm_ascend_rl.device.group) ----------------------
     @abstractmethod
     def group_backend(
-        self, store: Any, rank: int, world_size: int, timeout_s: float
+        self, store: Any, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
-        """The collective backend of our weight-broadcast group, over ``store``."""
+        """The collective backend of our weight-broadcast group, over ``store``; ``group_id``
+        is the same on every rank and names this rendezvous."""
 
     def close_group(self, pg: ProcessGroup, broken: bool) -> None:
         """Release the group. ``broken``: a collective failed or timed out and may still be

@@ -31,7 +31,9 @@ class CpuDevice(Device):
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
 
-    def group_backend(self, store, rank: int, world_size: int, timeout_s: float) -> GroupBackend:
+    def group_backend(
+        self, store, rank: int, world_size: int, timeout_s: float, group_id: str
+    ) -> GroupBackend:
         from datetime import timedelta
 
         from torch.distributed import ProcessGroup

@@ -47,9 +47,10 @@ def open_group(
     uri = tcp_uri(host, port)
     store, rank, world_size = next(rendezvous(uri, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    prefix = PrefixStore(f"{uri}/{GROUP_NAME}/", store)
+    group_id = f"{uri}/{GROUP_NAME}/"
+    prefix = PrefixStore(group_id, store)
     pg = ProcessGroup(prefix, rank, world_size)
-    backend = device.group_backend(prefix, rank, world_size, timeout_s)
+    backend = device.group_backend(prefix, rank, world_size, timeout_s, group_id)
     pg._set_default_backend(backend.default_type)
     backend.impl._set_sequence_number_for_group()
     pg._register_backend(backend.torch_device, backend.register_type, backend.impl)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -115,7 +116,9 @@ class NpuDevice(Device):
         return nz_format_refusal()
 
     # -- the weight-broadcast group --------------------------------------------------------
-    def group_backend(self, store, rank: int, world_size: int, timeout_s: float) -> GroupBackend:
+    def group_backend(
+        self, store, rank: int, world_size: int, timeout_s: float, group_id: str
+    ) -> GroupBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
         group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e).
 
@@ -132,15 +135,16 @@ class NpuDevice(Device):
         from torch.distributed.distributed_c10d import Backend
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
-        from vllm_ascend_rl.device.group import GROUP_NAME
-
         options = ProcessGroupHCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = timedelta(seconds=timeout_s)
         options.global_ranks_in_group = []  # a group of its own, not a subgroup of the world
-        options.group_id = f"{GROUP_NAME}/{id(store):x}"
+        options.group_id = group_id  # as netloader: the rendezvous, the same on every rank
         # As vllm-ascend bounds its own groups' buffers (vllm_ascend/utils.py:960-991): MB.
-        options.hccl_config = {"hccl_buffer_size": HCCL_BUFFER_MB, "group_name": GROUP_NAME}
+        # HCCL's communicator name: the same rendezvous, in plain characters (vllm-ascend's
+        # own names are words like "dp").
+        comm_name = re.sub(r"[^A-Za-z0-9_]+", "_", group_id).strip("_")
+        options.hccl_config = {"hccl_buffer_size": HCCL_BUFFER_MB, "group_name": comm_name}
         hccl = ProcessGroupHCCL(store, rank, world_size, options)
         hccl.set_watchdog_status(_WATCHDOG_STOP)
         return GroupBackend(
