@@ -57,15 +57,19 @@ class Doorbell:
         while b"\n" not in self._buf:
             if self.broken:
                 raise DoorbellError(self.broken)
-            if poll is not None:
-                poll()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self._break(
-                    f"{what}: no message from the {self.peer} within "
-                    f"timeout_s={self.timeout_s:.0f}s"
-                )
-            ready, _, _ = select.select([self.sock], [], [], min(left, 0.05))
+            # What has already arrived wins over the poll: a worker sends its refusal before
+            # its update call fails, and the poll would otherwise see only the failure.
+            ready, _, _ = select.select([self.sock], [], [], 0)
+            if not ready:
+                if poll is not None:
+                    poll()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._break(
+                        f"{what}: no message from the {self.peer} within "
+                        f"timeout_s={self.timeout_s:.0f}s"
+                    )
+                ready, _, _ = select.select([self.sock], [], [], min(left, 0.05))
             if ready:
                 try:
                     chunk = self.sock.recv(1 << 16)

@@ -249,10 +249,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
 
     def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
         replies = self._ready(update.raise_if_failed)
-        verdicts = [
-            p.expect("ready", self.update_id, "update handshake", update.raise_if_failed)
-            for p in self.peers
-        ]
+        # No poll on the update call here: a worker that refused fails it at once, and the
+        # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
+        verdicts = [p.expect("ready", self.update_id, "update handshake") for p in self.peers]
         ok = all(r.get("ok") for r in [*replies, *verdicts])
         reason = next((r.get("error") for r in [*replies, *verdicts] if not r.get("ok")), None)
         for peer in self.peers:
