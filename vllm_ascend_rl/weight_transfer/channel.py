@@ -42,6 +42,7 @@ class BroadcastChannel:
         self.pg, self.device = pg, device
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.broken: str | None = None
+        self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
 
     @classmethod
     def open(
@@ -69,11 +70,17 @@ class BroadcastChannel:
         self._check()
         opts = BroadcastOptions()
         opts.rootRank = 0
-        return self.pg.broadcast([tensor], opts)
+        return self._issued(self.pg.broadcast([tensor], opts))
+
+    def _issued(self, work):
+        self._started[id(work)] = time.monotonic()
+        return work
 
     def wait(self, work, what: str, poll: Poll | None = None) -> None:
         """Wait for ``work`` within ``timeout_s``, calling ``poll`` while waiting."""
-        deadline = time.monotonic() + self.timeout_s
+        now = time.monotonic()
+        deadline = now + self.timeout_s
+        started = self._started.pop(id(work), now)
         pause = 0.0
         try:
             while not work.is_completed():
@@ -91,7 +98,11 @@ class BroadcastChannel:
                 raise RuntimeError(f"the collective failed: {failure}")
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
-            if "Timed out" in str(e) and "no progress" not in detail:  # the backend's own timer
+            # The backend runs its own timer of timeout_s from when the collective was issued
+            # (gloo words it "Timed out ..." or "Application timeout caused pair closure"): a
+            # failure that late is a timeout, whatever its wording.
+            late = time.monotonic() - started >= 0.8 * self.timeout_s
+            if late and "no progress" not in detail:
                 detail = f"no progress within timeout_s={self.timeout_s:.0f}s ({detail})"
             self.broken = f"{what} failed: {detail}"
             raise ChannelError(self.broken) from e
@@ -102,7 +113,7 @@ class BroadcastChannel:
         t = torch.tensor([int(ok), sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
-        self.wait(self.pg.allreduce([t], opts), what, poll)
+        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll)
         all_ok, lo, neg_hi = (int(v) for v in t.cpu())
         return bool(all_ok), lo == -neg_hi
 
