@@ -64,7 +64,9 @@ def init_trainer(backend: str, trainer: TrainerProcess, engine: VLLMServer, **kw
     trainer.init(backend, engine.url, **kw)
 
 
-class WeightSyncCases:
+class WeightSyncServers:
+    """Per class: an engine on v1, a reference on v2 and a trainer process holding v2."""
+
     backend: ClassVar[str]
     extra_engine_args: ClassVar[list[str]] = []
 
@@ -145,6 +147,8 @@ class WeightSyncCases:
         assert engine.is_healthy(), "server died"
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe, "weights changed"
 
+
+class WeightSyncCases(WeightSyncServers):
     # -- the seed's RL e2e -------------------------------------------------------------
     @pytest.mark.parametrize("wire", list(WIRES))
     def test_weight_swap_continues_on_new_weights(self, engine, reference, trainer, on_v1, wire):
@@ -172,7 +176,7 @@ class WeightSyncCases:
         assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
 
     def test_trainer_dying_mid_transfer(
-        self, engine, reference, models, trainer, on_v1, tmp_path, plugin_env
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
     ):
         timeout_s = 10
         env = self.trainer_env(plugin_env)
@@ -186,20 +190,22 @@ class WeightSyncCases:
         while "weight transfer failed" not in engine.log_path.read_text(errors="replace"):
             assert time.monotonic() < deadline, "engine did not report the failed transfer"
             time.sleep(0.5)
-        assert engine.is_healthy()
-        assert greedy_token_ids(engine.url, PROBE, 8)  # serves (possibly mixed weights)
+        # The layers loaded before the crash were restored: the engine serves exactly v1.
+        self.assert_alive_and_intact(engine, v1_probe)
         self.init(trainer, engine)  # a new init works, and a full sync restores v2 exactly
         trainer.send(weight_version="v2")
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
 
-    def test_stalled_trainer_times_out_on_both_sides(self, engine, reference, trainer, on_v1):
+    def test_stalled_trainer_times_out_on_both_sides(
+        self, engine, reference, trainer, on_v1, v1_probe
+    ):
         timeout_s, stall_s = 5, 9
         self.init(trainer, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
         t0 = time.monotonic()
         with pytest.raises(TrainerError, match=f"within timeout_s={timeout_s}s"):
             trainer.send(stall_after_tensors=12, stall_s=stall_s)  # the engine's message
         assert time.monotonic() - t0 < stall_s + 2 * timeout_s + 10
-        assert engine.is_healthy()
+        self.assert_alive_and_intact(engine, v1_probe)
         self.init(trainer, engine)
         trainer.send(weight_version="v2")
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)

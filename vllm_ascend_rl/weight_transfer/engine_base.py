@@ -13,6 +13,7 @@ A transport implements ``_connected``, ``_agree``, ``_buckets`` and ``_disconnec
 
 from __future__ import annotations
 
+import math
 from abc import abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import Device, device_for
+from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -34,6 +36,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     total_bytes,
 )
 from vllm_ascend_rl.weight_transfer.channel import signature
+from vllm_ascend_rl.weight_transfer.fields import FieldError, check_field_types
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 from vllm_ascend_rl.weight_transfer.validation import (
     WeightUpdateRefused,
@@ -42,10 +45,15 @@ from vllm_ascend_rl.weight_transfer.validation import (
     validate_update,
 )
 
+logger = get_logger(__name__)
+
 PROTOCOL_VERSION = 2  # 2: NPU-IPC rings per chip ({chip: handles}, {chip: doorbell})
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0
+MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
+MAX_NUM_BUFFERS = 64
+MAX_TIMEOUT_S = 24 * 3600.0
 
 # vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
 # worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
@@ -59,17 +67,22 @@ LEGACY_WORKER = (
 
 
 def check_wire(info) -> None:
-    """Validate an init info's wire parameters (ValueError): they are agreed once, at init."""
-    packed, bucket = info.packed, info.packed_buffer_size_bytes
-    buffers, timeout_s = info.packed_num_buffers, info.timeout_s
-    if not isinstance(packed, bool):
-        raise ValueError(f"packed must be a bool, got {packed!r}")
-    if not isinstance(bucket, int) or bucket <= 0:
-        raise ValueError(f"packed_buffer_size_bytes must be a positive int, got {bucket!r}")
-    if not isinstance(buffers, int) or buffers < 1:
-        raise ValueError(f"packed_num_buffers must be >= 1, got {buffers!r}")
-    if not (isinstance(timeout_s, int | float) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+    """Validate an init info's fields (ValueError naming the field): types first, then the
+    wire parameters, which are agreed once, at init."""
+    check_field_types(info)
+    bucket, buffers, timeout_s = (
+        info.packed_buffer_size_bytes,
+        info.packed_num_buffers,
+        info.timeout_s,
+    )
+    if not 0 < bucket <= MAX_BUCKET_BYTES:
+        raise ValueError(
+            f"packed_buffer_size_bytes must be in 1..{MAX_BUCKET_BYTES}, got {bucket!r}"
+        )
+    if not 1 <= buffers <= MAX_NUM_BUFFERS:
+        raise ValueError(f"packed_num_buffers must be in 1..{MAX_NUM_BUFFERS}, got {buffers!r}")
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}] s, got {timeout_s!r}")
 
 
 def wire_signature(info) -> int:
@@ -143,6 +156,14 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
 
+    def __post_init__(self) -> None:
+        """Refuse inconsistent metadata at construction, as vLLM's own update infos do."""
+        try:
+            check_field_types(self)
+        except FieldError as e:
+            raise WeightUpdateRefused(str(e)) from None
+        parse_specs(self.names, self.dtype_names, self.shapes)
+
     @classmethod
     def fields_from_specs(cls, specs: list[TensorSpec]) -> dict:
         return {
@@ -166,6 +187,8 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         self.pool = ReceivePool(device, max_bytes=0)  # sized at init from the wire params
         self._expected = None
         self._expected_loaded = False
+        self._guard = None  # forward pre-hook while an update is open
+        self._cancelled: str | None = None  # why the open update was ended early
 
     @property
     def worker_index(self) -> int:
@@ -199,9 +222,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
     # -- lifecycle ---------------------------------------------------------------------
     def _before_init(self) -> None:
         if self.reload.active:
-            raise RuntimeError(
-                "cannot re-initialize weight transfer during a weight update; finish it first"
-            )
+            self._cancel_update("init_weight_transfer_engine was called during it")
         self._disconnect()
         self.pool.release()
 
@@ -214,14 +235,24 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
 
     def start_weight_update(self) -> None:
         self._require_connected()
-        self.reload.begin(self.model)
+        self._cancelled = None
+        self.reload.begin(self.model, self.model_config)
+        # No forward pass may run on half-loaded layers: one that starts while the update is
+        # open (generation was not paused) first cancels the update, restoring the old weights.
+        self._guard = self.model.register_forward_pre_hook(self._forward_during_update)
 
     def finish_weight_update(self) -> None:
+        if not self.reload.active and self._cancelled:
+            # The worker still counts the update as open; end it. The model is the old one.
+            logger.warning("finish_weight_update: nothing applied, %s", self._cancelled)
+            self._cancelled = None
+            return
+        self._drop_guard()
         self.reload.finish(self.model_config)
 
     def shutdown(self) -> None:
         if self.reload.active:
-            self.reload.abort(self.model_config)
+            self._cancel_update("the weight transfer engine was shut down")
         self._disconnect()
         self.release_buffers()
 
@@ -235,7 +266,41 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
                 f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
             )
 
+    def _forward_during_update(self, module, args) -> None:
+        if self.reload.active:
+            self._cancel_update(
+                "generation ran while it was open: pause generation (/pause) before "
+                "start_weight_update"
+            )
+
+    def _cancel_update(self, why: str) -> None:
+        """End the open update with the old weights and remember why, for its caller."""
+        restored = self._abort_update()
+        self._cancelled = f"the weight update was cancelled because {why}; the old weights " + (
+            f"were restored in {restored} layer(s)" if restored else "were never touched"
+        )
+        logger.error("%s", self._cancelled)
+
+    def _abort_update(self) -> int:
+        self._drop_guard()
+        return self.reload.abort(self.model_config)
+
+    def _drop_guard(self) -> None:
+        guard, self._guard = getattr(self, "_guard", None), None
+        if guard is not None:
+            guard.remove()
+
     # -- one update --------------------------------------------------------------------
+    def update_weights(self, update_info) -> None:
+        """vLLM's parse-receive-synchronize, except that any failure (a malformed body
+        included) ends the update with the old weights instead of leaving it open."""
+        try:
+            super().update_weights(update_info)
+        except BaseException:
+            if self.reload.active:
+                self._abort_update()
+            raise
+
     def receive_weights(self, update_info, **legacy) -> None:
         if "load_weights" in legacy:
             raise RuntimeError(LEGACY_WORKER)
@@ -243,7 +308,9 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
             raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
         self._require_connected()
         if not self.reload.active:
-            raise RuntimeError("update_weights called without start_weight_update")
+            raise RuntimeError(
+                self._cancelled or "update_weights called without start_weight_update"
+            )
         refusal: WeightUpdateRefused | None = None
         specs: list[TensorSpec] = []
         try:
@@ -254,7 +321,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         try:
             reason = self._agree(refusal, specs, update_info)
         except Exception as e:
-            self.reload.abort(self.model_config)
+            self._abort_update()
             self._disconnect()
             if refusal is not None:
                 raise WeightUpdateRefused(
@@ -262,7 +329,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
                 ) from e
             raise RuntimeError(f"the trainer did not join the update: {e}") from e
         if reason is not None:
-            self.reload.abort(self.model_config)  # nothing loaded: the old weights stay
+            self._abort_update()  # nothing loaded: the old weights stay
             raise WeightUpdateRefused(f"refused weight update, model unchanged: {reason}")
         received = 0
         try:
@@ -271,18 +338,13 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
                 received += bucket.nbytes
                 del buf  # a transport may check that nothing refers to its buffer any more
         except Exception as e:
-            updated = self.reload.abort(self.model_config)
+            restored = self._abort_update()
             self._disconnect()
-            state = (
-                f"{updated} layer(s) already hold new weights: do not resume generation "
-                "before a complete update"
-                if updated
-                else "model unchanged"
-            )
+            state = f"the old weights were restored in {restored} layer(s)" if restored else ""
             raise RuntimeError(
                 f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
-                f"({type(e).__name__}: {e}); {state}. Call init_weight_transfer_engine "
-                "again before the next update."
+                f"({type(e).__name__}: {e}); model unchanged{' (' + state + ')' if state else ''}"
+                ". Call init_weight_transfer_engine again before the next update."
             ) from e
 
     def _load(self, bucket: Bucket, buf: torch.Tensor) -> None:

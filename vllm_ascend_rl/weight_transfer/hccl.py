@@ -83,8 +83,12 @@ class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo):
 
     def __post_init__(self) -> None:
         check_wire(self)
-        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+        if not self.master_address:
+            raise ValueError("master_address must name the trainer's host, got ''")
+        if not 0 < self.master_port < 65536:
             raise ValueError(f"master_port must be a TCP port, got {self.master_port!r}")
+        if self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (rank 0 trains), got {self.rank_offset}")
         if self.world_size < 2:
             raise ValueError(
                 f"world_size must count the trainer and at least one worker, got {self.world_size}"
@@ -130,8 +134,14 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         self.channel: BroadcastChannel | None = None
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
-        self._before_init()
         rank = self.worker_index + init_info.rank_offset
+        if rank >= init_info.world_size:  # refused before any rendezvous: no wait
+            raise ValueError(
+                f"world_size={init_info.world_size} leaves no rank for engine worker "
+                f"{self.worker_index} (rank_offset={init_info.rank_offset}): world_size must "
+                "count the trainer and every engine worker (TP x PP x DP)"
+            )
+        self._before_init()
         channel = BroadcastChannel.open(
             self.hw,
             init_info.master_address,

@@ -1,4 +1,4 @@
-"""vLLM's layerwise reload, with a clean abort.
+"""vLLM's layerwise reload, with an abort that leaves the old model, never a mix.
 
 Checkpoint-format weights must go through layerwise reload: on CPU (and for any layer whose
 ``process_weights_after_loading`` repacks weights) a plain ``load_weights`` into the processed
@@ -6,9 +6,24 @@ parameters fails halfway and corrupts the model. A layer is rebuilt and copied i
 tensors as soon as all its weights have arrived; a layer that received only part of its weights
 would be processed with uninitialised memory at finalize. :meth:`LayerwiseReload.abort` drops
 such partial layers first, so finalize puts their old kernel tensors back.
+
+Layers that were complete before a failure already hold new weights in place. So that a failed
+update never leaves a model that mixes two versions, :meth:`LayerwiseReload.begin` keeps what
+restoring them needs and :meth:`abort` puts it back into those layers:
+
+- a host copy of every kernel tensor (processing copies new values into them in place); this
+  costs host memory the size of this worker's weight shard for the duration of the update
+  (``backup_bytes``, logged) and is freed when the update ends;
+- the layer's plain attributes, because processing may also replace objects the forward pass
+  uses instead of the kernel tensors (vLLM CPU's ``cpu_linear`` closure over a oneDNN handle of
+  packed weights). Holding the old objects keeps their memory alive until the update ends.
+  An object that processing mutates in place instead of replacing is not restored.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.config import ModelConfig
@@ -29,24 +44,39 @@ class LayerwiseReload:
     def __init__(self) -> None:
         self.model: torch.nn.Module | None = None
         self._pending: list[torch.nn.Module] = []
+        self._backup: dict[torch.nn.Module, _LayerBackup] = {}
 
     @property
     def active(self) -> bool:
         return self.model is not None
 
-    def begin(self, model: torch.nn.Module) -> None:
+    @property
+    def backup_bytes(self) -> int:
+        """Host memory held to restore the old weights if this update fails."""
+        return sum(h.nbytes for b in self._backup.values() for _, h in b.tensors)
+
+    def begin(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
         if self.active:
             raise RuntimeError("a weight update is already in progress on this worker")
         initialize_layerwise_reload(model)
         self.model = model
         self._pending = [m for m in model.modules() if _expects_weights(m)]
+        try:
+            self._backup = {layer: _LayerBackup.of(layer) for layer in self._pending}
+        except BaseException:
+            self.abort(model_config)  # nothing loaded yet: the old tensors go back
+            raise
+        logger.info(
+            "weight update open: a host copy of %.1f MiB of old weights restores them on failure",
+            self.backup_bytes / (1 << 20),
+        )
 
     def finish(self, model_config: ModelConfig) -> None:
         if not self.active:
             raise RuntimeError("no weight update in progress: call start_weight_update first")
         model, self.model = self.model, None
+        self._pending, self._backup = [], {}
         finalize_layerwise_reload(model, model_config)
-        self._pending = []
 
     def evacuate(self, storage: torch.Tensor) -> int:
         """Make buffered weights stop aliasing ``storage``; return how many were copied.
@@ -72,25 +102,58 @@ class LayerwiseReload:
         return copied
 
     def abort(self, model_config: ModelConfig) -> int:
-        """Undo what has not been applied yet; return how many layers already hold new weights.
+        """End the update with the old weights everywhere; return how many layers were
+        restored from the host copy (they had already taken new weights).
 
-        Layers that received all their weights were processed during the transfer and keep
-        them; every other layer gets its old kernel tensors back, untouched.
+        Partial layers forget what they received, so finalize puts their untouched kernel
+        tensors back; complete layers get their old values copied back from the host copy.
         """
         if not self.active:
             return 0
-        updated = 0
+        restored = 0
         for layer in self._pending:
             info = get_layerwise_info(layer)
-            if not info.can_load():
-                updated += 1  # fully received and processed
+            if not info.can_load():  # complete: processed into its kernel tensors
+                self._backup[layer].restore(layer)
+                restored += 1
             elif info.load_numel > 0:
                 info.loaded_weights.clear()  # partial: forget, restore old at finalize
                 info.load_numel = 0
         self.finish(model_config)
-        if updated:
-            logger.warning("weight update aborted after %d layer(s) took new weights", updated)
-        return updated
+        if restored:
+            logger.warning(
+                "weight update aborted: %d layer(s) that had taken new weights were restored",
+                restored,
+            )
+        return restored
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, hooks, training, ...
+
+
+@dataclass
+class _LayerBackup:
+    """What a layer's forward pass uses, as it was before the update."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (kernel tensor, host copy of its value)
+    attrs: dict[str, Any]  # plain instance attributes (handles, closures, flags)
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> _LayerBackup:
+        params, buffers = get_layerwise_info(layer).kernel_tensors or ({}, {})
+        tensors = [
+            (t, t.detach().to("cpu", copy=True)) for t in (*params.values(), *buffers.values())
+        ]
+        attrs = {k: v for k, v in vars(layer).items() if k not in _MODULE_INTERNALS}
+        return cls(tensors, attrs)
+
+    def restore(self, layer: torch.nn.Module) -> None:
+        for kernel, old in self.tensors:
+            kernel.data.copy_(old)
+        state = vars(layer)
+        for k in [k for k in state if k not in _MODULE_INTERNALS and k not in self.attrs]:
+            del state[k]  # added by processing the new weights
+        state.update(self.attrs)
 
 
 def _expects_weights(layer: torch.nn.Module) -> bool:

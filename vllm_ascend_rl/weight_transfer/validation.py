@@ -22,6 +22,9 @@ from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_name
 logger = get_logger(__name__)
 
 
+MAX_TENSOR_BYTES = 1 << 40  # a shape beyond this is a malformed request, not a weight
+
+
 class WeightUpdateRefused(ValueError):
     """The update's metadata does not fit the model; nothing was loaded."""
 
@@ -117,9 +120,15 @@ def parse_specs(
             dtype = dtype_from_name(dn)
         except ValueError:
             raise WeightUpdateRefused(f"parameter {name!r}: unknown dtype {dn!r}") from None
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise WeightUpdateRefused(f"parameter {name!r}: malformed shape {shape!r}")
-        specs.append(TensorSpec(name, dtype, tuple(shape)))
+        spec = TensorSpec(name, dtype, tuple(shape))
+        if spec.nbytes > MAX_TENSOR_BYTES:
+            raise WeightUpdateRefused(
+                f"parameter {name!r}: shape {list(shape)} is {spec.nbytes} bytes, more than "
+                f"any weight tensor can be ({MAX_TENSOR_BYTES})"
+            )
+        specs.append(spec)
     return specs
 
 

@@ -1,0 +1,167 @@
+"""Bad bodies, dead trainers and unpaused updates against a real server (HCCL engine).
+
+Every case ends with the engine healthy and its greedy output equal to what it was on v1 before
+the fault: a half-applied update looks alive, so "intact" is checked on tokens. One engine, one
+v2 reference and one trainer serve the whole module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import free_port, greedy_token_ids
+from vllm_ascend_rl.testing.tiny_model import TinyModelSpec, parameter_shapes
+from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)]
+
+GOOD_INIT = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 2}
+BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
+    "missing_field": ({"master_address": None}, "master_address"),
+    "master_address": ({"master_address": 7}, "'master_address' must be str"),
+    "master_port": ({"master_port": "29999"}, "'master_port' must be int"),
+    "world_size": ({"world_size": [2]}, "'world_size' must be int"),
+    "packed": ({"packed": "yes"}, "'packed' must be bool"),
+    "bucket_bytes": ({"packed_buffer_size_bytes": -1}, "packed_buffer_size_bytes must be in"),
+    "num_buffers": ({"packed_num_buffers": 0}, "packed_num_buffers must be in"),
+    "timeout_s": ({"timeout_s": 0}, "timeout_s must be in"),
+    "rank_offset": ({"rank_offset": 0}, "rank_offset must be >= 1"),
+    "unknown_field": ({"unknown_field": "x"}, "unknown_field"),
+    "world_of_one": ({"world_size": 1}, "world_size must count the trainer"),
+    "no_rank_left": ({"rank_offset": 2}, "leaves no rank for engine worker"),
+}
+NAME = "model.norm.weight"
+BAD_UPDATE = {  # update_info -> words the refusal must contain
+    "shape_is_int": (
+        {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [128]},
+        "'shapes[0]' must be list[int]",
+    ),
+    "dtype_is_int": (
+        {"names": [NAME], "dtype_names": [16], "shapes": [[128]]},
+        "'dtype_names[0]' must be str",
+    ),
+    "name_is_list": (
+        {"names": [[NAME]], "dtype_names": ["bfloat16"], "shapes": [[128]]},
+        "'names[0]' must be str",
+    ),
+    "missing_field": ({"names": [NAME], "shapes": [[128]]}, "dtype_names"),
+    "lengths_differ": (
+        {"names": [NAME, NAME], "dtype_names": ["bfloat16"], "shapes": [[128]]},
+        "differ in length",
+    ),
+    "unknown_dtype": (
+        {"names": [NAME], "dtype_names": ["bfloat17"], "shapes": [[128]]},
+        "unknown dtype 'bfloat17'",
+    ),
+    "negative_dim": (
+        {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [[-128]]},
+        "malformed shape [-128]",
+    ),
+    "not_a_dict": ("names", "update_info"),
+}
+KILL_AT = [2, 35, 60, 90]  # percent of the tensors sent before the trainer dies
+
+
+def _post(url: str, route: str, body: dict | None = None) -> requests.Response:
+    return requests.post(url + route, json=body, timeout=120)
+
+
+def _init_body(case: str) -> dict:
+    init = dict(GOOD_INIT)
+    for field, value in BAD_INIT[case][0].items():
+        if value is None:
+            del init[field]
+        else:
+            init[field] = value
+    return {"init_info": init}
+
+
+class TestHCCLUpdateFaults(WeightSyncServers):
+    backend = "ascend_rl_hccl"
+
+    @pytest.fixture
+    def on_v1_paused(self, on_v1, engine):
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        yield ctl
+        ctl.resume()
+
+    @pytest.mark.parametrize("case", list(BAD_INIT))
+    def test_malformed_init_is_refused_naming_the_field(self, engine, on_v1, v1_probe, case):
+        r = _post(engine.url, "/init_weight_transfer_engine", _init_body(case))
+        assert r.status_code >= 400 and BAD_INIT[case][1] in r.text, r.text
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    @pytest.mark.parametrize("case", list(BAD_UPDATE))
+    def test_malformed_update_ends_the_update_and_keeps_the_connection(
+        self, engine, trainer, on_v1_paused, v1_probe, case
+    ):
+        body, words = BAD_UPDATE[case]
+        assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        r = _post(engine.url, "/update_weights", {"update_info": body})
+        assert r.status_code >= 400 and words in r.text, r.text
+        if r.status_code == 400:  # vLLM's route refused it: the engine never saw it
+            assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
+        # The update is over: a new one opens (and, with nothing sent, changes nothing).
+        assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
+        on_v1_paused.resume()
+        self.assert_alive_and_intact(engine, v1_probe)
+        if case == "shape_is_int":  # the trainer's connection was not touched
+            on_v1_paused.pause(mode="abort")
+            trainer.send(weight_version="v2")
+            on_v1_paused.resume()
+            assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
+    @pytest.mark.parametrize("percent", KILL_AT)
+    def test_trainer_killed_mid_sync_leaves_the_old_weights(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, percent
+    ):
+        n = len(parameter_shapes(TinyModelSpec()))
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
+            self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=10)
+            with pytest.raises(TrainerError, match="exited"):
+                doomed.send(die_after_tensors=max(1, n * percent // 100))
+        self.assert_alive_and_intact(engine, v1_probe)
+        self.init(trainer, engine)  # a new trainer inits and syncs completely
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    def test_generation_during_an_open_update_cancels_it_first(
+        self, engine, trainer, on_v1, v1_probe
+    ):
+        """Not paused: the first forward pass after start_weight_update restores the old
+        weights and ends the update, so no token comes from half-loaded layers."""
+        assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+        r = _post(engine.url, "/update_weights", {"update_info": _tiny_update()})
+        assert r.status_code >= 400 and "pause generation" in r.text, r.text
+        # The worker still counted the update as open until that call failed: a new one opens.
+        assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    def test_finish_after_a_cancelled_update_changes_nothing(self, engine, on_v1, v1_probe):
+        assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe  # cancels the update
+        assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    def test_init_with_no_trainer_listening_fails_within_its_timeout(self, engine, on_v1, v1_probe):
+        import time
+
+        init = {**GOOD_INIT, "master_port": free_port(), "timeout_s": 3}
+        t0 = time.monotonic()
+        r = _post(engine.url, "/init_weight_transfer_engine", {"init_info": init})
+        elapsed = time.monotonic() - t0
+        assert r.status_code >= 400
+        assert elapsed < 3 + 10, f"init failed after {elapsed:.1f}s, timeout_s=3"
+        self.assert_alive_and_intact(engine, v1_probe)
+
+
+def _tiny_update() -> dict:
+    return {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [[128]]}
