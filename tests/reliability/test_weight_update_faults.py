@@ -7,6 +7,8 @@ v2 reference and one trainer serve the whole module.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -151,9 +153,11 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
         self.assert_alive_and_intact(engine, v1_probe)
 
-    def test_init_with_no_trainer_listening_fails_within_its_timeout(self, engine, on_v1, v1_probe):
-        import time
-
+    def test_stale_init_fails_within_its_timeout_and_spares_the_live_trainer(
+        self, engine, trainer, on_v1, v1_probe
+    ):
+        """A stale trainer's init with nobody listening: bounded by its timeout_s, and the
+        connection the live trainer made before it still works."""
         init = {**GOOD_INIT, "master_port": free_port(), "timeout_s": 3}
         t0 = time.monotonic()
         r = _post(engine.url, "/init_weight_transfer_engine", {"init_info": init})
@@ -161,6 +165,11 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         assert r.status_code >= 400
         assert elapsed < 3 + 10, f"init failed after {elapsed:.1f}s, timeout_s=3"
         self.assert_alive_and_intact(engine, v1_probe)
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        trainer.send(weight_version="v2")
+        ctl.resume()
+        assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
 
 
 def _tiny_update() -> dict:

@@ -291,6 +291,12 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
             guard.remove()
 
     # -- one update --------------------------------------------------------------------
+    def parse_update_info(self, update_dict):
+        try:
+            return super().parse_update_info(update_dict)
+        except ValueError as e:
+            raise WeightUpdateRefused(f"refused weight update, model unchanged: {e}") from None
+
     def update_weights(self, update_info) -> None:
         """vLLM's parse-receive-synchronize, except that any failure (a malformed body
         included) ends the update with the old weights instead of leaving it open."""

@@ -141,7 +141,8 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
                 f"{self.worker_index} (rank_offset={init_info.rank_offset}): world_size must "
                 "count the trainer and every engine worker (TP x PP x DP)"
             )
-        self._before_init()
+        # The live connection (if any) stays until the new one is up: a stale trainer's
+        # failed init must not break the trainer that is connected.
         channel = BroadcastChannel.open(
             self.hw,
             init_info.master_address,
@@ -164,6 +165,7 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
                 f"bucket={init_info.packed_buffer_size_bytes}, "
                 f"buffers={init_info.packed_num_buffers}); re-run trainer_init"
             )
+        self._before_init()
         self.channel = channel
         self._after_init(init_info)
         logger.info(

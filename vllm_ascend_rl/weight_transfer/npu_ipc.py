@@ -105,7 +105,9 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
 class AscendRLNPUIPCWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """Metadata plus the staging buffers' handles per chip, as plain JSON."""
 
-    buffers: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # {chip: [handle, ...]}: checked by the engine's _map, whose refusal reaches the trainer
+    # through the update handshake (the connection stays usable)
+    buffers: Any = field(default_factory=dict)
     update_id: int = 0
 
 
@@ -123,7 +125,6 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
         self._ring: list[ImportedBuffer] = []
 
     def init_transfer_engine(self, init_info: AscendRLNPUIPCWeightTransferInitInfo) -> None:
-        self._before_init()
         rank, here = self.worker_index, self.hw.location()
         address = init_info.doorbells.get(here["chip"])
         if address is None:
@@ -147,6 +148,7 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
         if not reply.get("welcome"):
             doorbell.close()
             raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
+        self._before_init()  # only now: a failed init leaves the live connection alone
         self.doorbell = doorbell
         self._after_init(init_info)
         logger.info(
