@@ -129,6 +129,8 @@ def test_release_kv_cache_memory_discards_only_the_kv_cache(server, ctl, baselin
     assert freed >= 0.9 * (KV_GIB << 30), f"freed {freed >> 20} MiB of a {KV_GIB} GiB KV cache"
     assert ctl.is_sleeping() is True
     ctl.wake_up(["kv_cache"])  # the weights never left: output is unchanged
+    assert ctl.is_paused() is True  # the wake keeps the pause taken before the release
+    ctl.resume()
     assert ctl.is_sleeping() is False
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
@@ -31,6 +32,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
+from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -74,6 +76,8 @@ class RecomputeScheduler(Scheduler):
         self.num_bounced = 0
         self._in_schedule = False
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
+        self._asleep: PauseState | None = None  # while asleep: the pause in force before
+        self._released = False  # /release_kv_cache_memory ran and no wake_up since
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
@@ -132,6 +136,39 @@ class RecomputeScheduler(Scheduler):
     def has_requests(self) -> bool:
         # Keeps the engine stepping until a bounce's output is delivered.
         return bool(self._bounced) or super().has_requests()
+
+    # -- pause state across sleep and memory release ------------------------------------
+    def set_pause_state(self, pause_state: PauseState) -> None:
+        """Upstream's, except around sleep (see :mod:`vllm_ascend_rl.core.engine_calls`):
+        generation cannot restart while memory is not resident, and the resume that
+        vLLM's ``wake_up`` issues keeps a pause that was in force before the sleep."""
+        call = engine_core_call(self)
+        if pause_state != PauseState.UNPAUSED:
+            if call == "sleep" and self._asleep is None:
+                self._asleep = self.pause_state  # the pause in force before the sleep
+        elif call == "wake_up":
+            before = self.pause_state if self._asleep is None else self._asleep
+            self._asleep, self._released = None, False
+            if before != PauseState.UNPAUSED:
+                logger.warning(
+                    "wake_up: keeping the pause (%s) taken before the engine slept or "
+                    "released memory; call /resume to resume generation",
+                    before.name,
+                )
+                pause_state = before
+        elif self._asleep is not None or self._released:
+            raise RuntimeError(
+                "refusing to resume generation: the engine "
+                + ("sleeps" if self._asleep is not None else "released its KV cache memory")
+                + ", and a step would run on memory that is not resident; call /wake_up "
+                "first. The pause stays in force and queued requests wait."
+            )
+        super().set_pause_state(pause_state)
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+        if engine_core_call(self) == "release_kv_cache_memory":
+            self._released = True  # vLLM resets the caches just before discarding them
+        return super().reset_prefix_cache(*args, **kwargs)
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
