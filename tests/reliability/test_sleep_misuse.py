@@ -53,6 +53,20 @@ def server(tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def upstream_server(tiny_model, tmp_path_factory):
+    """vLLM's own scheduler with the same worker: what upstream's engine core decides."""
+    log = tmp_path_factory.mktemp("sleep-misuse-upstream") / "server.log"
+    srv = VLLMServer(
+        tiny_model,
+        log_path=log,
+        extra_args=[*engine_args(), "--worker-cls", current_profile().sleepable_worker],
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
 def baseline(server):
     return greedy_token_ids(server.url, PROBE, 16)
 
@@ -143,3 +157,96 @@ def test_sleep_without_a_pause_resumes_on_wake(server, ctl, baseline):
     ctl.wake_up()
     assert ctl.is_paused() is False and ctl.is_sleeping() is False
     assert greedy_token_ids(server.url, PROBE, 16) == baseline
+
+
+STORM_CALLS = ("pause_abort", "pause_keep", "resume", "sleep", "wake_up")
+
+
+def _storm_call(ctl: EngineControlClient, call: str) -> str:
+    """One control call; what it answered (a refusal is an answer, not a failure)."""
+    try:
+        if call.startswith("pause_"):
+            ctl.pause(call.removeprefix("pause_"))
+        elif call == "sleep":
+            ctl.sleep(1)
+        else:
+            getattr(ctl, call)()
+        return "ok"
+    except EngineControlError as e:
+        return f"refused: {e}"
+
+
+def test_a_storm_of_control_calls_ends_in_the_last_calls_state(server, ctl, baseline):
+    """8 threads x 12 calls of pause/resume/sleep/wake_up while 4 streams run, then a final
+    wake_up and resume: every stream ends (complete, or aborted by a pause), the engine is
+    awake, unpaused, and generates exactly what it did before."""
+    import random
+    import threading
+
+    streams = [
+        StreamingCompletion(server.url, PROBE, 200, ignore_eos=True, timeout_s=600)
+        for _ in range(4)
+    ]
+    for s in streams:
+        s.start()
+    answers: list[str] = []
+
+    def storm(seed: int) -> None:
+        rng = random.Random(seed)
+        client = EngineControlClient(server.url, timeout_s=300)
+        for _ in range(12):
+            answers.append(_storm_call(client, rng.choice(STORM_CALLS)))
+
+    threads = [threading.Thread(target=storm, args=(i,), daemon=True) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not any(t.is_alive() for t in threads), "a control call hung"
+    assert server.is_healthy()
+    unexpected = [a for a in answers if a != "ok" and REFUSED not in a]
+    assert not unexpected, unexpected[:3]
+    ctl.wake_up()
+    ctl.resume()
+    assert ctl.is_sleeping() is False and ctl.is_paused() is False
+    for s in streams:
+        s.join(300)
+        assert not s.is_alive(), "a stream never ended"
+        assert s.status_code == 200 and s.error is None, s.error
+        if s.finish_reason is None:  # upstream: see test_upstream_*_without_a_reason
+            assert s.num_tokens == 0, f"a stream ended after {s.num_tokens} tokens, no reason"
+            continue
+        assert s.finish_reason in ("length", "abort"), s.finish_reason
+        if s.finish_reason == "length":
+            assert s.num_tokens == 200, "a stream lost or duplicated tokens"
+    assert greedy_token_ids(server.url, PROBE, 16) == baseline
+
+
+# -- upstream vLLM's own behaviour (default scheduler), shown so the README can say so ------
+
+
+def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(upstream_server):
+    """vLLM's EngineCore.wake_up resumes scheduling whenever every tag is resident, so a
+    trainer's pause is lost; the plugin scheduler keeps it (test above)."""
+    ctl = EngineControlClient(upstream_server.url)
+    ctl.pause("keep")
+    ctl.wake_up()
+    assert ctl.is_paused() is False
+
+
+def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(
+    upstream_server,
+):
+    """A request that pause(abort) aborts before its first token streams ``[DONE]`` with HTTP
+    200 and no finish_reason (vLLM 0.27.1 and 0.32, default scheduler): a client cannot tell
+    it from a truncated stream. Not ours; clients should treat it as aborted."""
+    ctl = EngineControlClient(upstream_server.url)
+    ctl.pause("keep")  # queued: it cannot produce a token before the abort
+    stream = StreamingCompletion(upstream_server.url, PROBE, 16, ignore_eos=True)
+    stream.start()
+    time.sleep(0.5)
+    ctl.pause("abort")
+    stream.join(60)
+    ctl.resume()
+    assert stream.status_code == 200 and stream.error is None
+    assert stream.num_tokens == 0 and stream.finish_reason is None
