@@ -13,7 +13,7 @@ VENV   := $(if $(filter 0.32.0,$(VLLM)),.venv,.venv-vllm-$(VLLM))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-npu lint unit e2e bench clean
+.PHONY: demo test test-npu lint unit e2e bench soak clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,3 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/ipc_sync.py
 	$(BIN)/python benchmarks/sleep_wake.py
 	$(BIN)/python benchmarks/scheduler_overhead.py
+
+# Long reliability run (not in CI): 32 streams x 20 swap cycles, sleep/wake cycles, RSS/fd/shm.
+soak: $(STAMP)
+	$(BIN)/python benchmarks/soak.py

@@ -10,24 +10,22 @@ import time
 import pytest
 import requests
 
+from tests.support.sleep_servers import leave_awake, sleepable_server
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 from vllm_ascend_rl.compat import has_route, sleep_route_validates_level
 from vllm_ascend_rl.testing import (
-    PLUGIN_SCHEDULER,
     StreamingCompletion,
     TinyModelSpec,
     VLLMServer,
     build_tiny_model,
-    engine_args,
     greedy_token_ids,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
+from vllm_ascend_rl.testing.profile import trainer_env
 from vllm_ascend_rl.testing.tiny_model import parameter_shapes
 from vllm_ascend_rl.testing.trainer import TrainerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
-WORKER = current_profile().sleepable_worker
 SPEC = TinyModelSpec(
     seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
 )  # ~210 MB of bf16 weights
@@ -43,23 +41,9 @@ def model():
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     log = tmp_path_factory.mktemp("sleep") / "server.log"
-    srv = VLLMServer(
-        model,
-        kv_cache_gib=KV_GIB,
-        log_path=log,
-        extra_args=[
-            *engine_args(),
-            "--worker-cls",
-            WORKER,
-            "--scheduler-cls",
-            PLUGIN_SCHEDULER,
-            "--weight-transfer-config",
-            '{"backend": "ascend_rl_npu_ipc"}',
-        ],
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    transfer = ["--weight-transfer-config", '{"backend": "ascend_rl_npu_ipc"}']
+    with sleepable_server(model, log, extra_args=transfer, kv_cache_gib=KV_GIB) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +55,7 @@ def baseline(server):
 def ctl(server, model):
     client = EngineControlClient(server.url, timeout_s=300)
     yield client
-    # Leave the engine awake, with valid weights, and resumed.
-    if client.is_sleeping():
-        try:
-            client.wake_up(["weights"])
-        except EngineControlError:
-            pass
-        client.reload_weights(str(model))
-        client.wake_up()
-    client.resume()
+    leave_awake(client, model)
 
 
 def rss(server: VLLMServer, field: str = "bytes") -> int:
@@ -196,13 +172,14 @@ def test_staged_wake_keeps_the_scheduler_paused_until_everything_is_awake(server
 
 def test_an_invalid_sleep_level_is_refused(server, ctl, baseline):
     """vLLM 0.32 refuses level 3 at the route (4xx). vLLM 0.27.1's /sleep does not validate the
-    level: it pauses and hands 3 to the workers, which refuse it (no weight is discarded)."""
+    level: the plugin scheduler refuses it before the engine pauses, and the workers would too
+    (no weight is discarded)."""
     r = requests.post(server.url + "/sleep", params={"level": 3}, timeout=60)
     if sleep_route_validates_level():
         assert 400 <= r.status_code < 500, r.text
     else:
         assert r.status_code == 500 and "sleep level 3 is not supported" in r.text, r.text
-        ctl.resume()  # 0.27.1 paused the scheduler before the workers refused
+        ctl.resume()  # harmless: nothing was paused
     assert ctl.is_sleeping() is False
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
 

@@ -11,16 +11,13 @@ import time
 import pytest
 import requests
 
+from tests.support.sleep_servers import leave_awake, sleepable_server
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 from vllm_ascend_rl.compat import has_route
 from vllm_ascend_rl.testing import (
-    PLUGIN_SCHEDULER,
     StreamingCompletion,
-    VLLMServer,
-    engine_args,
     greedy_token_ids,
 )
-from vllm_ascend_rl.testing.profile import current_profile
 
 pytestmark = [
     pytest.mark.e2e,
@@ -36,34 +33,16 @@ REFUSED = "refusing to resume generation"
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("sleep-misuse") / "server.log"
-    srv = VLLMServer(
-        tiny_model,
-        log_path=log,
-        extra_args=[
-            *engine_args(),
-            "--worker-cls",
-            current_profile().sleepable_worker,
-            "--scheduler-cls",
-            PLUGIN_SCHEDULER,
-        ],
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    with sleepable_server(tiny_model, log) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def upstream_server(tiny_model, tmp_path_factory):
     """vLLM's own scheduler with the same worker: what upstream's engine core decides."""
     log = tmp_path_factory.mktemp("sleep-misuse-upstream") / "server.log"
-    srv = VLLMServer(
-        tiny_model,
-        log_path=log,
-        extra_args=[*engine_args(), "--worker-cls", current_profile().sleepable_worker],
-    )
-    srv.start()
-    yield srv
-    srv.stop()
+    with sleepable_server(tiny_model, log, scheduler=None) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +54,7 @@ def baseline(server):
 def ctl(server, tiny_model, baseline):
     client = EngineControlClient(server.url, timeout_s=300)
     yield client
-    if client.is_sleeping():  # leave the engine awake, with valid weights, and resumed
-        try:
-            client.wake_up(["weights"])
-        except EngineControlError:
-            pass
-        client.reload_weights(str(tiny_model))
-        client.wake_up()
-    client.resume()
+    leave_awake(client, tiny_model)
     assert greedy_token_ids(server.url, PROBE, 16) == baseline
 
 

@@ -14,7 +14,7 @@ import requests
 
 from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import free_port, greedy_token_ids
+from vllm_ascend_rl.testing import StreamingCompletion, free_port, greedy_token_ids
 from vllm_ascend_rl.testing.tiny_model import TinyModelSpec, parameter_shapes
 from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
 
@@ -34,6 +34,7 @@ BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the ref
     "unknown_field": ({"unknown_field": "x"}, "unknown_field"),
     "world_of_one": ({"world_size": 1}, "world_size must count the trainer"),
     "no_rank_left": ({"rank_offset": 2}, "leaves no rank for engine worker"),
+    "on_failure": ({"on_failure": "ignore"}, "on_failure must be one of"),
 }
 NAME = "model.norm.weight"
 BAD_UPDATE = {  # update_info -> words the refusal must contain
@@ -131,6 +132,63 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         self.assert_alive_and_intact(engine, v1_probe)
         self.init(trainer, engine)  # a new trainer inits and syncs completely
         trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    @pytest.mark.parametrize("percent", KILL_AT)
+    def test_hold_mode_generates_nothing_until_a_complete_sync(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, percent
+    ):
+        """on_failure="hold": no copy of the old weights. Once a layer took new weights, after
+        the crash nothing is generated (a request waits, /resume is refused) until a new
+        trainer completes a sync. A crash before any layer took new weights (possible at 2 %)
+        leaves the old model whole, and it serves at once."""
+        n = len(parameter_shapes(TinyModelSpec()))
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
+            self.init(
+                doomed,
+                engine,
+                packed_buffer_size_bytes=SMALL_BUCKET,
+                timeout_s=10,
+                on_failure="hold",
+            )
+            with pytest.raises(TrainerError, match="exited"):
+                doomed.send(die_after_tensors=max(1, n * percent // 100))
+        waiting = StreamingCompletion(engine.url, PROBE, 24, ignore_eos=False)
+        waiting.start()
+        time.sleep(1.5)
+        if percent == KILL_AT[0] and not waiting.is_alive():  # no layer had changed
+            assert waiting.ok and waiting.token_ids == v1_probe
+            return
+        assert waiting.is_alive() and waiting.num_tokens == 0, "generated from a mixed model"
+        r = _post(engine.url, "/resume")
+        assert r.status_code >= 400 and "not whole" in r.text, r.text
+        assert engine.is_healthy()
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")  # complete: the hold lifts by itself
+        waiting.join(120)
+        assert waiting.ok and waiting.token_ids == greedy_token_ids(reference.url, PROBE, 24)
+
+    @pytest.mark.parametrize("paused", [True, False], ids=["paused", "generating"])
+    def test_trainer_killed_before_finish_leaves_a_whole_model(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, paused
+    ):
+        """Every weight arrived, finish never came. Generating: the first forward pass
+        cancels the update (old weights). Paused: the next trainer's start ends the
+        abandoned update, and its own sync then lands exactly."""
+        ctl = EngineControlClient(engine.url)
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
+            self.init(doomed, engine, timeout_s=10)
+            if paused:
+                ctl.pause(mode="abort")
+            with pytest.raises(TrainerError, match="exited"):
+                doomed.send(die_before_finish=True)
+        if not paused:
+            self.assert_alive_and_intact(engine, v1_probe)
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")
+        ctl.resume()
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
 
     def test_generation_during_an_open_update_cancels_it_first(

@@ -43,7 +43,7 @@ def test_pause_and_scheduling_loops_are_upstreams_own(cls):
     for name in INHERITED:
         assert getattr(cls, name) is getattr(upstream, name), f"{cls.__name__}.{name} is a copy"
     # These are wrapped, not copied: short, and call upstream's (set_pause_state and
-    # reset_prefix_cache only decide around sleep, see test_sleep_misuse.py).
+    # reset_prefix_cache only decide around sleep and holds, see tests/reliability).
     for name in (
         "schedule",
         "update_from_output",

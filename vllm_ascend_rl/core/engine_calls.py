@@ -18,17 +18,18 @@ ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "release_kv_cache_memory"})
 _MAX_DEPTH = 6  # set_pause_state <- pause_scheduler/resume_scheduler/_reset_caches <- the call
 
 
-def engine_core_call(scheduler: Any) -> str | None:
+def engine_core_call(scheduler: Any) -> tuple[str | None, dict[str, Any]]:
     """The engine-core call (one of :data:`ENGINE_CORE_CALLS`) that is running on the
-    engine that owns ``scheduler`` and led to the current scheduler method, or None."""
+    engine that owns ``scheduler`` and led to the current scheduler method, with its
+    arguments; ``(None, {})`` for any other caller (``/pause``, ``/resume``, a step)."""
     frame = sys._getframe(2)  # skip this function and the scheduler method that asked
     for _ in range(_MAX_DEPTH):
         if frame is None:
-            return None
+            break
         name = frame.f_code.co_name
         if name in ENGINE_CORE_CALLS:
             owner = frame.f_locals.get("self")
             if getattr(owner, "scheduler", None) is scheduler:
-                return name
+                return name, frame.f_locals
         frame = frame.f_back
-    return None
+    return None, {}

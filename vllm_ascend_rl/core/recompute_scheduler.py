@@ -33,12 +33,14 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
+from vllm_ascend_rl.core.hold import read_hold
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
 
 CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
+SLEEP_LEVELS = (0, 1, 2)  # 0 pauses scheduling only
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
@@ -78,10 +80,12 @@ class RecomputeScheduler(Scheduler):
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
         self._asleep: PauseState | None = None  # while asleep: the pause in force before
         self._released = False  # /release_kv_cache_memory ran and no wake_up since
+        self._held: str | None = None  # why we paused generation ourselves (on_failure=hold)
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        self._hold_if_weights_not_whole()
         # Marks the only preemptions that may bounce: the ones upstream's loop makes for blocks.
         self._in_schedule = True
         try:
@@ -135,18 +139,44 @@ class RecomputeScheduler(Scheduler):
 
     def has_requests(self) -> bool:
         # Keeps the engine stepping until a bounce's output is delivered.
+        if self._held is not None and read_hold(self.vllm_config) is None:
+            self._held = None  # the update completed: lift the hold we imposed
+            logger.info("weights whole again: generation resumes")
+            super().set_pause_state(PauseState.UNPAUSED)
         return bool(self._bounced) or super().has_requests()
+
+    # -- on_failure=hold (vllm_ascend_rl.core.hold) -------------------------------------
+    def _hold_if_weights_not_whole(self) -> None:
+        """While a worker says its weights are not whole, no step runs: requests wait."""
+        if self.pause_state != PauseState.UNPAUSED:
+            return
+        reason = read_hold(self.vllm_config)
+        if reason is not None:
+            self._held = reason
+            logger.warning("holding generation: %s", reason)
+            super().set_pause_state(PauseState.PAUSED_ALL)
 
     # -- pause state across sleep and memory release ------------------------------------
     def set_pause_state(self, pause_state: PauseState) -> None:
-        """Upstream's, except around sleep (see :mod:`vllm_ascend_rl.core.engine_calls`):
-        generation cannot restart while memory is not resident, and the resume that
-        vLLM's ``wake_up`` issues keeps a pause that was in force before the sleep."""
-        call = engine_core_call(self)
+        """Upstream's, except around sleep and holds: generation cannot restart while memory
+        is not resident or the weights are not whole, and the resume that vLLM's ``wake_up``
+        issues keeps a pause that was in force before the sleep."""
+        pause_state = self._checked_pause_state(pause_state)
+        self._held = None  # an accepted change: the caller owns the pause state from now on
+        super().set_pause_state(pause_state)
+
+    def _checked_pause_state(self, pause_state: PauseState) -> PauseState:
+        """The state to set instead of ``pause_state``; raises to refuse the change.
+        Which engine-core call is asking: :mod:`vllm_ascend_rl.core.engine_calls`."""
+        call, args = engine_core_call(self)
+        if call == "sleep" and args.get("level") not in SLEEP_LEVELS:
+            # vLLM 0.27.1's /sleep passes any level on and pauses before the workers refuse.
+            raise ValueError(f"sleep level {args.get('level')} is not supported: use 0, 1 or 2")
         if pause_state != PauseState.UNPAUSED:
             if call == "sleep" and self._asleep is None:
                 self._asleep = self.pause_state  # the pause in force before the sleep
-        elif call == "wake_up":
+            return pause_state
+        if call == "wake_up":
             before = self.pause_state if self._asleep is None else self._asleep
             self._asleep, self._released = None, False
             if before != PauseState.UNPAUSED:
@@ -155,18 +185,24 @@ class RecomputeScheduler(Scheduler):
                     "released memory; call /resume to resume generation",
                     before.name,
                 )
-                pause_state = before
-        elif self._asleep is not None or self._released:
-            raise RuntimeError(
-                "refusing to resume generation: the engine "
-                + ("sleeps" if self._asleep is not None else "released its KV cache memory")
-                + ", and a step would run on memory that is not resident; call /wake_up "
-                "first. The pause stays in force and queued requests wait."
+            return before
+        refusal = read_hold(self.vllm_config)
+        if refusal is None and (self._asleep is not None or self._released):
+            refusal = (
+                "the engine "
+                + ("was put to sleep" if self._asleep is not None else "released its KV cache")
+                + ", and a step would run on memory that is not resident; call /wake_up first "
+                "(also after a /sleep that failed)"
             )
-        super().set_pause_state(pause_state)
+        if refusal is not None:
+            raise RuntimeError(
+                f"refusing to resume generation: {refusal}. The pause stays in force and "
+                "queued requests wait."
+            )
+        return pause_state
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        if engine_core_call(self) == "release_kv_cache_memory":
+        if engine_core_call(self)[0] == "release_kv_cache_memory":
             self._released = True  # vLLM resets the caches just before discarding them
         return super().reset_prefix_cache(*args, **kwargs)
 

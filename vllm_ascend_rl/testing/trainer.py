@@ -243,6 +243,8 @@ def _serve(model_path: str) -> None:
                     raise RuntimeError("send before init")
                 faults = dict(msg.get("faults") or {})
                 payload_patch = faults.pop("payload", None)
+                if faults.pop("die_before_finish", False):  # every weight sent, never finished
+                    engine.client.finish_weight_update = lambda *_: os._exit(17)
                 saved = engine.source
                 if faults:
                     engine.source = _faulty_source(model, faults)

@@ -26,6 +26,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_ascend_rl.compat import EngineCompat
+from vllm_ascend_rl.core.hold import HoldPublisher, hold_supported
 from vllm_ascend_rl.device import Device, device_for
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
@@ -54,6 +55,10 @@ DEFAULT_TIMEOUT_S = 120.0
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_NUM_BUFFERS = 64
 MAX_TIMEOUT_S = 24 * 3600.0
+# What a failed update leaves: "restore" puts the old weights back from a host copy kept for
+# the update's duration; "hold" keeps no copy and holds generation until an update completes.
+ON_FAILURE = ("restore", "hold")
+DEFAULT_ON_FAILURE = "restore"
 
 # vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
 # worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
@@ -81,6 +86,8 @@ def check_wire(info) -> None:
         )
     if not 1 <= buffers <= MAX_NUM_BUFFERS:
         raise ValueError(f"packed_num_buffers must be in 1..{MAX_NUM_BUFFERS}, got {buffers!r}")
+    if info.on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {list(ON_FAILURE)}, got {info.on_failure!r}")
     if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
         raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}] s, got {timeout_s!r}")
 
@@ -189,6 +196,9 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         self._expected_loaded = False
         self._guard = None  # forward pre-hook while an update is open
         self._cancelled: str | None = None  # why the open update was ended early
+        self._received = False  # the open update's update_weights completed
+        self._mixed = False  # on_failure=hold: a failed update left new and old layers
+        self.hold = HoldPublisher(vllm_config, enabled=self.parallel_config.rank == 0)
 
     @property
     def worker_index(self) -> int:
@@ -220,6 +230,24 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         return plan_for(self.init_info, specs, self.alone_bytes)
 
     # -- lifecycle ---------------------------------------------------------------------
+    def _check_init(self, init_info) -> None:
+        """Refusals that need this engine's config: before any rendezvous, so immediate."""
+        if init_info.on_failure != "hold":
+            return
+        unsupported = hold_supported(self.vllm_config)
+        if unsupported:
+            raise ValueError(unsupported)
+        scheduler = self.vllm_config.scheduler_config.get_scheduler_cls()
+        from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
+
+        if not issubclass(scheduler, RecomputeScheduler):
+            raise ValueError(
+                f"on_failure='hold' needs the plugin scheduler to hold generation (this engine "
+                f"runs {scheduler.__name__}): start it with --scheduler-cls "
+                "vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler, or use "
+                "on_failure='restore'"
+            )
+
     def _before_init(self) -> None:
         if self.reload.active:
             self._cancel_update("init_weight_transfer_engine was called during it")
@@ -233,10 +261,16 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
             init_info.packed_num_buffers + 2
         ) * init_info.packed_buffer_size_bytes
 
+    @property
+    def holds(self) -> bool:
+        return self.init_info is not None and self.init_info.on_failure == "hold"
+
     def start_weight_update(self) -> None:
         self._require_connected()
-        self._cancelled = None
-        self.reload.begin(self.model, self.model_config)
+        self._cancelled, self._received = None, False
+        if self.holds:  # no copy of the old weights: no step may run until the update ends
+            self.hold.hold("a weight update is in progress (on_failure=hold)")
+        self.reload.begin(self.model, self.model_config, keep_old=not self.holds)
         # No forward pass may run on half-loaded layers: one that starts while the update is
         # open (generation was not paused) first cancels the update, restoring the old weights.
         self._guard = self.model.register_forward_pre_hook(self._forward_during_update)
@@ -247,8 +281,16 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
             logger.warning("finish_weight_update: nothing applied, %s", self._cancelled)
             self._cancelled = None
             return
+        if self.reload.active and not self._received:
+            # Nothing complete arrived (an abandoned update): finalizing would process partly
+            # loaded layers. End it with the old weights instead.
+            state = self._abort_update()
+            logger.warning("finish_weight_update without a complete update: %s", state)
+            return
         self._drop_guard()
         self.reload.finish(self.model_config)
+        self._mixed = False
+        self.hold.release()
 
     def shutdown(self) -> None:
         if self.reload.active:
@@ -274,16 +316,30 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
             )
 
     def _cancel_update(self, why: str) -> None:
-        """End the open update with the old weights and remember why, for its caller."""
-        restored = self._abort_update()
-        self._cancelled = f"the weight update was cancelled because {why}; the old weights " + (
-            f"were restored in {restored} layer(s)" if restored else "were never touched"
-        )
+        """End the open update and remember why, for its caller."""
+        state = self._abort_update()
+        self._cancelled = f"the weight update was cancelled because {why}; {state}"
         logger.error("%s", self._cancelled)
 
-    def _abort_update(self) -> int:
+    def _abort_update(self) -> str:
+        """End the open update; return what the model holds now (for messages)."""
         self._drop_guard()
-        return self.reload.abort(self.model_config)
+        restored, kept = self.reload.abort(self.model_config)
+        if kept or self._mixed:
+            self._mixed = True
+            reason = (
+                "the weights are not whole: a weight update failed after "
+                f"{kept} layer(s) had taken new weights (on_failure=hold); generation waits "
+                "until a weight update completes"
+                if kept
+                else "the weights are still not whole from an earlier failed update"
+            )
+            self.hold.hold(reason)
+            return reason
+        self.hold.release()
+        return "model unchanged" + (
+            f" (the old weights were restored in {restored} layer(s))" if restored else ""
+        )
 
     def _drop_guard(self) -> None:
         guard, self._guard = getattr(self, "_guard", None), None
@@ -344,14 +400,14 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
                 received += bucket.nbytes
                 del buf  # a transport may check that nothing refers to its buffer any more
         except Exception as e:
-            restored = self._abort_update()
+            state = self._abort_update()
             self._disconnect()
-            state = f"the old weights were restored in {restored} layer(s)" if restored else ""
             raise RuntimeError(
                 f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
-                f"({type(e).__name__}: {e}); model unchanged{' (' + state + ')' if state else ''}"
-                ". Call init_weight_transfer_engine again before the next update."
+                f"({type(e).__name__}: {e}); {state}. Call init_weight_transfer_engine "
+                "again before the next update."
             ) from e
+        self._received = True
 
     def _load(self, bucket: Bucket, buf: torch.Tensor) -> None:
         from vllm.model_executor.model_loader.mtp_validation import (

@@ -43,6 +43,7 @@ from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelErro
 from vllm_ascend_rl.weight_transfer.engine_base import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
+    DEFAULT_ON_FAILURE,
     DEFAULT_TIMEOUT_S,
     PROTOCOL_VERSION,
     CheckpointEngine,
@@ -79,6 +80,7 @@ class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -112,6 +114,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
 
     def __post_init__(self) -> None:
         check_wire(self)
@@ -134,6 +137,7 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         self.channel: BroadcastChannel | None = None
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
+        self._check_init(init_info)
         rank = self.worker_index + init_info.rank_offset
         if rank >= init_info.world_size:  # refused before any rendezvous: no wait
             raise ValueError(
@@ -254,6 +258,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
             packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers,
             timeout_s=info.timeout_s,
+            on_failure=info.on_failure,
         )
         # The engine blocks in /init_weight_transfer_engine until the group forms, and rank 0
         # (us) hosts the rendezvous: both must run at once, and either may fail first.

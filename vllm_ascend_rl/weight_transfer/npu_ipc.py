@@ -43,6 +43,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
 )
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_base import (
+    DEFAULT_ON_FAILURE,
     DEFAULT_TIMEOUT_S,
     PROTOCOL_VERSION,
     CheckpointEngine,
@@ -70,6 +71,7 @@ class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -96,6 +98,7 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
 
     def __post_init__(self) -> None:
         check_wire(self)
@@ -125,6 +128,7 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
         self._ring: list[ImportedBuffer] = []
 
     def init_transfer_engine(self, init_info: AscendRLNPUIPCWeightTransferInitInfo) -> None:
+        self._check_init(init_info)
         rank, here = self.worker_index, self.hw.location()
         address = init_info.doorbells.get(here["chip"])
         if address is None:

@@ -168,6 +168,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             packed_buffer_size_bytes=info.packed_buffer_size_bytes,
             packed_num_buffers=info.packed_num_buffers,
             timeout_s=info.timeout_s,
+            on_failure=info.on_failure,
         )
         acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
         try:

@@ -55,12 +55,17 @@ class LayerwiseReload:
         """Host memory held to restore the old weights if this update fails."""
         return sum(h.nbytes for b in self._backup.values() for _, h in b.tensors)
 
-    def begin(self, model: torch.nn.Module, model_config: ModelConfig) -> None:
+    def begin(
+        self, model: torch.nn.Module, model_config: ModelConfig, keep_old: bool = True
+    ) -> None:
+        """Open an update; ``keep_old`` keeps what restoring the old weights needs."""
         if self.active:
             raise RuntimeError("a weight update is already in progress on this worker")
         initialize_layerwise_reload(model)
         self.model = model
         self._pending = [m for m in model.modules() if _expects_weights(m)]
+        if not keep_old:
+            return
         try:
             self._backup = {layer: _LayerBackup.of(layer) for layer in self._pending}
         except BaseException:
@@ -101,31 +106,36 @@ class LayerwiseReload:
                         copied += 1
         return copied
 
-    def abort(self, model_config: ModelConfig) -> int:
-        """End the update with the old weights everywhere; return how many layers were
-        restored from the host copy (they had already taken new weights).
+    def abort(self, model_config: ModelConfig) -> tuple[int, int]:
+        """End the update; return (layers restored from the host copy, layers that keep new
+        weights because the update kept no copy). Both count layers that were complete.
 
         Partial layers forget what they received, so finalize puts their untouched kernel
         tensors back; complete layers get their old values copied back from the host copy.
         """
         if not self.active:
-            return 0
-        restored = 0
+            return 0, 0
+        restored = kept = 0
         for layer in self._pending:
             info = get_layerwise_info(layer)
             if not info.can_load():  # complete: processed into its kernel tensors
-                self._backup[layer].restore(layer)
-                restored += 1
+                backup = self._backup.get(layer)
+                if backup is None:
+                    kept += 1
+                else:
+                    backup.restore(layer)
+                    restored += 1
             elif info.load_numel > 0:
                 info.loaded_weights.clear()  # partial: forget, restore old at finalize
                 info.load_numel = 0
         self.finish(model_config)
-        if restored:
+        if restored or kept:
             logger.warning(
-                "weight update aborted: %d layer(s) that had taken new weights were restored",
+                "weight update aborted: %d layer(s) restored, %d keep new weights",
                 restored,
+                kept,
             )
-        return restored
+        return restored, kept
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, hooks, training, ...

@@ -57,6 +57,11 @@ class SyncResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
+# The worker refuses a second start while one is open: vLLM v1/worker/gpu_worker.py
+# _start_weight_update (0.27.1 and 0.32), vllm-ascend worker/worker.py:303 (182b75e).
+ABANDONED_UPDATE = "start_weight_update called while a weight update is already active"
+
+
 def server_message(e: BaseException) -> str:
     """The most useful text of an exception from a weight-sync client call."""
     response = getattr(e, "response", None)
@@ -255,6 +260,20 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
             pass
 
     # -- the update --------------------------------------------------------------------
+    def _start_update(self) -> None:
+        """``start_weight_update``; if vLLM's worker still counts an abandoned update as open
+        (a trainer died before ``finish_weight_update``), end that one first. Our engines'
+        finish applies an abandoned update only if all its weights arrived, and restores the
+        old weights otherwise, so the model is whole either way."""
+        try:
+            call("start_weight_update", self.client.start_weight_update)
+        except WeightSyncError as e:
+            if ABANDONED_UPDATE not in str(e):
+                raise
+            logger.warning("ending a weight update another trainer left open: %s", e)
+            call("finish_weight_update", self.client.finish_weight_update, None)
+            call("start_weight_update", self.client.start_weight_update)
+
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
     ) -> SyncResult:
@@ -283,7 +302,7 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
             self._abort()
             raise WeightSyncError(f"preparing the update failed: {e}") from e
         try:
-            call("start_weight_update", self.client.start_weight_update)
+            self._start_update()
         except WeightSyncError as e:
             self._cancel(str(e))
             raise
