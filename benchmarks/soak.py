@@ -60,7 +60,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--sleep-every", type=int, default=5)
+    ap.add_argument("--sleep-every", type=int, default=5, help="cycles; --cycles a multiple")
     args = ap.parse_args()
 
     v1, v2 = build_model_pair()
@@ -111,7 +111,9 @@ def main() -> int:
                 ctl.wake_up()
                 sleeps += 1
 
-        cycle(0)  # warm-up: lazy allocations, first-touch pages, the first sync
+        cycle(0)  # warm-up: lazy allocations, first-touch pages, the first sync, and a
+        ctl.sleep(1)  # sleep/wake, so that both RSS figures are taken after a wake (a wake
+        ctl.wake_up()  # maps the KV cache lazily: its untouched pages are not resident)
         procs = server_processes(server)
         rss0, fds0, shm0 = rss_bytes(procs), open_fds(procs), shm_entries()
         t0 = time.monotonic()
@@ -119,6 +121,9 @@ def main() -> int:
             cycle(i)
             print(f"cycle {i}/{args.cycles}: {len(problems)} problem(s)", flush=True)
         elapsed = time.monotonic() - t0
+        ctl.sleep(1)  # measured as at the start: right after a wake
+        ctl.wake_up()
+        sleeps += 2  # this one and the warm-up's
         after = server_processes(server)
         restarts = len(set(procs) ^ set(after))
         rss1, fds1, shm1 = rss_bytes(after), open_fds(after), shm_entries()
