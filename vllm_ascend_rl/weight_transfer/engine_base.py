@@ -342,7 +342,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         )
 
     def _drop_guard(self) -> None:
-        guard, self._guard = getattr(self, "_guard", None), None
+        guard, self._guard = self._guard, None
         if guard is not None:
             guard.remove()
 
