@@ -47,6 +47,7 @@ def tiny_model():
 
 SHM = Path("/dev/shm")
 LEAK_PREFIXES = ("psm_", "sem.mp-", "vllm_ascend_rl_")  # vLLM's segments, its locks, ours
+LEAK_INFIXES = ("-cpushm_",)  # vLLM's CPU tensor-parallel communicator
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -59,6 +60,9 @@ def no_shared_memory_left_behind():
     before = {p.name for p in SHM.iterdir()}
     yield
     leaked = sorted(
-        p.name for p in SHM.iterdir() if p.name not in before and p.name.startswith(LEAK_PREFIXES)
+        p.name
+        for p in SHM.iterdir()
+        if p.name not in before
+        and (p.name.startswith(LEAK_PREFIXES) or any(i in p.name for i in LEAK_INFIXES))
     )
     assert not leaked, f"the test session left shared memory behind: {leaked}"

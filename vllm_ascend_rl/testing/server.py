@@ -184,6 +184,7 @@ class VLLMServer:
         except ProcessLookupError:
             pgid = None
         if pgid is not None:
+            tp_segments = _cpu_tp_segments(self.pids())
             _signal_group(pgid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
@@ -194,6 +195,7 @@ class VLLMServer:
             # user is gone. Killing it early leaks hundreds of MiB of /dev/shm per server.
             _wait_group_gone(pgid, timeout_s)
             _signal_group(pgid, signal.SIGKILL)
+            _unlink(tp_segments)
         self.proc.wait(timeout=timeout_s)
         self.proc = None
 
@@ -216,6 +218,31 @@ def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
     finally:
         for server in servers:
             server.stop()
+
+
+def _cpu_tp_segments(pids: list[int]) -> set[str]:
+    """The ``*-cpushm_<rank>`` segments of vLLM's CPU tensor-parallel communicator mapped by
+    ``pids``. vLLM's C++ side unlinks them only on a clean interpreter exit, which a worker
+    terminated with the server never has: without this, every TP=2 server leaks 8 MiB."""
+    found: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1]
+            if path.startswith("/dev/shm/") and "-cpushm_" in path:
+                found.add(path.removesuffix(" (deleted)"))
+    return found
+
+
+def _unlink(paths: set[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> bool:
