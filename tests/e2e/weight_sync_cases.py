@@ -11,6 +11,7 @@ import time
 from typing import ClassVar
 
 import pytest
+import requests
 
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.testing import (
@@ -27,6 +28,7 @@ from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generat
 from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
 
 PROBE = "Weights under test:"
+UNKNOWN = "model.norm.weight_unknown"
 SMALL_BUCKET = 64 << 10  # smaller than the largest tensor (embed/lm_head: 512 x 128 bf16)
 WIRES = {
     "packed": {"packed": True},
@@ -208,4 +210,27 @@ class WeightSyncCases(WeightSyncServers):
         self.assert_alive_and_intact(engine, v1_probe)
         self.init(trainer, engine)
         trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    def test_hand_written_refusal_is_immediate_and_spares_the_trainer(
+        self, engine, reference, trainer, on_v1, v1_probe
+    ):
+        """An update_weights with no trainer behind it, refused for the model alone, is
+        refused at once (not after timeout_s), twice in a row; the trainer's next sync meets
+        what is left of those handshakes, retries once if it must, and lands exactly."""
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        self.init(trainer, engine, timeout_s=60)
+        bad = {"names": [UNKNOWN], "dtype_names": ["bfloat16"], "shapes": [[128]]}
+        for _ in range(2):
+            assert requests.post(engine.url + "/start_weight_update", timeout=60).ok
+            t0 = time.monotonic()
+            r = requests.post(
+                engine.url + "/update_weights", json={"update_info": bad}, timeout=120
+            )
+            elapsed = time.monotonic() - t0
+            assert r.status_code >= 400 and f"unknown parameter '{UNKNOWN}'" in r.text, r.text
+            assert elapsed < 15, f"refused after {elapsed:.1f}s (timeout_s=60)"
+        trainer.send(weight_version="v2")
+        ctl.resume()
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)

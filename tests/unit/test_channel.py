@@ -111,3 +111,31 @@ def test_signature_is_stable_and_fits_an_int32_negation():
     assert signature(1, True, 256) == signature(1, True, 256)
     assert signature(1, True, 256) != signature(1, False, 256)
     assert 0 <= signature("x" * 1000) < 2**30
+
+
+@pytest.mark.parametrize("trainer_sig, same", [(7, False), (5, True)], ids=["other", "own"])
+def test_a_refusal_nobody_joins_is_deferred_not_broken(trainer_sig, same):
+    """The engine (rank 1) refuses with signature 5 and nobody joins within the grace: it
+    returns at once and its contribution stays pending. The trainer's next handshake meets
+    it: both learn "not ok", and the engine learns whether the trainer sent the refused
+    update's own metadata; the channel stays usable."""
+    joined = threading.Event()
+
+    def body(ch):
+        if ch.rank == 1:
+            t0 = time.monotonic()
+            ch.refuse(5, "update handshake", grace_s=0.2)
+            waited = time.monotonic() - t0
+            pending = ch.deferred is not None
+            joined.set()
+            met = ch.settle_deferred("a refused update's handshake")
+            after = ch.agree(True, 9, "next")
+            return waited, pending, met, after, ch.broken
+        joined.wait(10)
+        verdict = ch.agree(True, trainer_sig, "update handshake")
+        return verdict, ch.agree(True, 9, "next")
+
+    trainer, engine = run_ranks(2, body)
+    waited, pending, met, after, broken = engine
+    assert waited < 1.0 and pending and met is same
+    assert trainer == ((False, same), (True, True)) and after == (True, True) and broken is None

@@ -6,6 +6,12 @@ all-reduce (MIN) of ``[ok, signature, -signature]``: all ranks learn whether eve
 and whether everyone computed the same signature of what is about to be sent. After any failed
 or timed-out collective the group is unusable (the byte stream is out of step) and is marked
 broken; the caller must open a new one.
+
+A refusal is the exception to "wait for everyone": an engine that refuses an update on its own
+(the metadata does not fit its model) gives a trainer a short grace to join, then returns the
+refusal and leaves its contribution pending (``deferred``). A hand-written ``update_weights``
+with no trainer behind it is thus refused at once; the next trainer update meets the pending
+contribution, learns it was refused, and retries (see ``STALE_HANDSHAKE``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,14 @@ logger = get_logger(__name__)
 
 Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed)
 
+REFUSAL_GRACE_S = 2.0  # a trainer posts its handshake as it sends update_weights: long enough
+# The engine's answer to the trainer update that met an earlier refusal's pending handshake;
+# the trainer retries that update once.
+STALE_HANDSHAKE = (
+    "this update's handshake met the pending refusal of an earlier update_weights that no "
+    "trainer joined (a hand-written call?); nothing was sent, retry the update"
+)
+
 
 class ChannelError(RuntimeError):
     """A collective failed or timed out; the channel must be re-initialized."""
@@ -43,6 +57,7 @@ class BroadcastChannel:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.broken: str | None = None
         self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
+        self.deferred: tuple[object, torch.Tensor] | None = None  # a refusal nobody met yet
 
     @classmethod
     def open(
@@ -117,6 +132,37 @@ class BroadcastChannel:
         all_ok, lo, neg_hi = (int(v) for v in t.cpu())
         return bool(all_ok), lo == -neg_hi
 
+    def refuse(self, sig: int, what: str, grace_s: float) -> None:
+        """Contribute a refusal to the handshake and wait up to ``grace_s`` for the others;
+        if they have not joined by then, leave it pending in ``deferred`` (not broken)."""
+        self._check()
+        if self.deferred is not None:  # one pending refusal answers the next handshake
+            return
+        t = torch.tensor([0, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MIN
+        work = self._issued(self.pg.allreduce([t], opts))
+        deadline = time.monotonic() + min(grace_s, self.timeout_s)
+        while not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        if work.is_completed():
+            self.wait(work, what)
+        else:
+            self.deferred = (work, t)
+
+    def deferred_met(self) -> bool:
+        return self.deferred is not None and self.deferred[0].is_completed()
+
+    def settle_deferred(self, what: str) -> bool:
+        """Wait (within ``timeout_s``) for the pending refusal to meet the others'
+        handshake. True if they sent the refused update's own signature (a slow trainer
+        joined the refused update), False if it met another update's handshake."""
+        assert self.deferred is not None
+        (work, t), self.deferred = self.deferred, None
+        self.wait(work, what)
+        _, lo, neg_hi = (int(v) for v in t.cpu())
+        return lo == -neg_hi
+
     def _check(self) -> None:
         if self.broken:
             raise ChannelError(
@@ -129,7 +175,8 @@ class BroadcastChannel:
         peer: the device tears it down without waiting for it (on NPU: abort the
         communicator, not a shutdown that synchronizes the hung stream)."""
         pg, self.pg = self.pg, None
-        broken = self.broken is not None
+        broken = self.broken is not None or self.deferred is not None  # a collective waits
+        self.deferred = None
         self.broken = self.broken or "closed"
         if pg is not None:
             try:

@@ -97,8 +97,19 @@ class Doorbell:
                 return None
         return self.recv(what)
 
-    def expect(self, key: str, value, what: str, poll: Poll | None = None) -> dict:
+    def expect(
+        self,
+        key: str,
+        value,
+        what: str,
+        poll: Poll | None = None,
+        stale: Callable[[dict], bool] | None = None,
+    ) -> dict:
+        """The next message, which must carry ``key=value``; messages ``stale`` says are
+        left over from an earlier exchange are dropped."""
         msg = self.recv(what, poll)
+        while stale is not None and msg.get(key) != value and stale(msg):
+            msg = self.recv(what, poll)
         if msg.get(key) != value:
             self._break(f"{what}: expected {key}={value!r} from the {self.peer}, got {msg}")
         return msg

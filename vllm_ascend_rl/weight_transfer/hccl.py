@@ -39,7 +39,12 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     iter_bucket_tensors,
     pack_into,
 )
-from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
+from vllm_ascend_rl.weight_transfer.channel import (
+    REFUSAL_GRACE_S,
+    STALE_HANDSHAKE,
+    BroadcastChannel,
+    ChannelError,
+)
 from vllm_ascend_rl.weight_transfer.engine_base import (
     DEFAULT_BUCKET_BYTES,
     DEFAULT_NUM_BUFFERS,
@@ -135,6 +140,7 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
         self.channel: BroadcastChannel | None = None
+        self._owe_stale = False  # a trainer update met a pending refusal; answer its call
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
         self._check_init(init_info)
@@ -187,12 +193,22 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         return self.channel is not None and not self.channel.broken
 
     def _agree(self, refusal, specs, update_info) -> str | None:
-        sig = 0 if refusal else update_signature(specs)
-        all_ok, same = self.channel.agree(refusal is None, sig, "update handshake")
+        channel, sig = self.channel, update_signature(specs) if specs else 0
+        # An earlier refusal is pending (nobody joined its handshake in time). A trainer's
+        # update meets it: this call is that update's, and the trainer was told "refused".
+        settle = channel.deferred is not None and (refusal is None or channel.deferred_met())
+        if settle and not channel.settle_deferred("a refused update's handshake"):
+            self._owe_stale = True
+        if refusal is not None:
+            if not self._owe_stale:  # else the trainer is not in this handshake
+                channel.refuse(sig, "update handshake", REFUSAL_GRACE_S)
+            return str(refusal)
+        if self._owe_stale:
+            self._owe_stale = False
+            return STALE_HANDSHAKE
+        all_ok, same = channel.agree(True, sig, "update handshake")
         if all_ok and same:
             return None
-        if refusal is not None:
-            return str(refusal)
         return (
             "the trainer aborted it"
             if not all_ok
@@ -219,6 +235,7 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         return bucket, buf
 
     def _disconnect(self) -> None:
+        self._owe_stale = False
         if self.channel is not None:
             self.channel.close()
             self.channel = None

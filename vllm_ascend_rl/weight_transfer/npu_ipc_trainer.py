@@ -337,7 +337,10 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         return [b.handle for b in self.ring]
 
     def _ready(self, poll: Poll) -> list[dict]:
-        return [d.expect("ready", self.update_id, "update handshake", poll) for d in self.doorbells]
+        return [
+            d.expect("ready", self.update_id, "update handshake", poll, _stale_refusal)
+            for d in self.doorbells
+        ]
 
     def _go(self, replies: list[dict], ok: bool, reason: str | None) -> None:
         for d, r in zip(self.doorbells, replies, strict=True):
@@ -382,3 +385,12 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
 
 class _Cancelled(Exception):
     """The sender cancelled this update before any engine worker saw it."""
+
+
+def _stale_refusal(msg: dict) -> bool:
+    """A worker's refusal of an update_weights that this trainer never sent (a hand-written
+    call: the worker answered at once, and nobody read it)."""
+    stale = "ready" in msg and not msg.get("ok")
+    if stale:
+        logger.warning("dropping a refusal of an update this trainer did not send: %s", msg)
+    return stale

@@ -25,7 +25,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm_ascend_rl.device import Device, current_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
-from vllm_ascend_rl.weight_transfer.channel import ChannelError
+from vllm_ascend_rl.weight_transfer.channel import STALE_HANDSHAKE, ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 from vllm_ascend_rl.weight_transfer.engine_base import plan_for
 
@@ -274,6 +274,31 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
             call("finish_weight_update", self.client.finish_weight_update, None)
             call("start_weight_update", self.client.start_weight_update)
 
+    def _open_update(self, specs: list[TensorSpec], payload: dict) -> BackgroundCall:
+        """start_weight_update, then update_weights (in the background) and the handshake.
+        Retried once if the handshake met an earlier refused call's (STALE_HANDSHAKE)."""
+        for attempt in (1, 2):
+            try:
+                self._start_update()
+            except WeightSyncError as e:
+                self._cancel(str(e))
+                raise
+            update = BackgroundCall("update_weights", self.client.update_weights, payload)
+            try:
+                go = self._agree(specs, update)
+            except TRANSPORT_ERRORS as e:
+                self._abort()
+                raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
+            if go:
+                return update
+            # Refused before any byte moved; the connection stays usable.
+            reason = update.failure(self.init_info.timeout_s)
+            if attempt == 1 and reason and STALE_HANDSHAKE in reason:
+                logger.warning("retrying the update: %s", reason)
+                continue
+            raise WeightSyncError(f"engine refused the update: {reason}")
+        raise AssertionError("unreachable")
+
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
     ) -> SyncResult:
@@ -301,19 +326,7 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
         except TRANSPORT_ERRORS as e:
             self._abort()
             raise WeightSyncError(f"preparing the update failed: {e}") from e
-        try:
-            self._start_update()
-        except WeightSyncError as e:
-            self._cancel(str(e))
-            raise
-        update = BackgroundCall("update_weights", self.client.update_weights, payload)
-        try:
-            go = self._agree(specs, update)
-        except TRANSPORT_ERRORS as e:
-            self._abort()
-            raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
-        if not go:  # refused before any byte moved; the connection stays usable
-            raise WeightSyncError(f"engine refused the update: {update.failure(timeout_s)}")
+        update = self._open_update(specs, payload)
         bar = Progress(nbytes, progress, "weights -> engine")
         try:
             self._send(plan, update, bar)
