@@ -234,3 +234,29 @@ class WeightSyncCases(WeightSyncServers):
         trainer.send(weight_version="v2")
         ctl.resume()
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
+    def test_trainer_killed_during_init_spares_the_live_connection(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
+    ):
+        """A second trainer crashes after the engine workers joined its init (HCCL: after the
+        rendezvous; NPU IPC: at the workers' hello). The engine's init fails within timeout_s
+        (a request queued behind it is served by then), the live trainer's connection still
+        carries a sync, and a new init works."""
+        timeout_s = 10
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
+            t0 = time.monotonic()
+            with pytest.raises(TrainerError, match="exited"):
+                self.init(doomed, engine, timeout_s=timeout_s, die_during_init=True)
+            assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+            elapsed = time.monotonic() - t0
+        assert elapsed < timeout_s + 15, f"engine blocked {elapsed:.0f}s, timeout_s={timeout_s}"
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        trainer.send(weight_version="v2")  # the connection made before the crash
+        ctl.resume()
+        v2_probe = greedy_token_ids(reference.url, PROBE, 24)
+        assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe

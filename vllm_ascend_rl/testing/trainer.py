@@ -231,7 +231,10 @@ def _serve(model_path: str) -> None:
                 if engine is not None:
                     engine.shutdown()
                     engine = None
-                info = _init_info(msg["backend"], msg["init_info"])
+                fields = dict(msg["init_info"])
+                if fields.pop("die_during_init", False):
+                    _die_during_init()
+                info = _init_info(msg["backend"], fields)
                 engine = WeightTransferTrainerFactory.trainer_init(
                     info,
                     client=HTTPVLLMWeightSyncClient(msg["url"], timeout=600),
@@ -269,6 +272,19 @@ def _serve(model_path: str) -> None:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:
             reply(False, error=f"{type(e).__name__}: {e}")
+
+
+def _die_during_init() -> None:
+    """Crash once the engine workers have joined the init but before it completes: HCCL,
+    after the rendezvous and before the init handshake; NPU IPC, when a worker says hello."""
+    from vllm_ascend_rl.weight_transfer import npu_ipc_trainer
+    from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
+
+    def die(*_: Any) -> None:
+        os._exit(17)
+
+    BroadcastChannel.agree = die
+    npu_ipc_trainer.welcome = die
 
 
 def _init_info(backend: str, fields: dict):
