@@ -82,6 +82,7 @@ class VLLMServer:
         )
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
+        self._segments: set[str] = set()  # see _orphanable_segments; unlinked by stop()
 
     @property
     def url(self) -> str:
@@ -175,6 +176,29 @@ class VLLMServer:
         root = psutil.Process(self.proc.pid)
         return [root.pid] + [c.pid for c in root.children(recursive=True)]
 
+    def kill_engine(self) -> None:
+        """SIGKILL the engine core and its workers, as the OOM killer would; the API server
+        and Python's resource tracker stay (stop() still cleans up)."""
+        self._segments |= _orphanable_segments(self.pids())
+        self._kill_all_but_trackers(keep_api_server=True)
+
+    def _kill_all_but_trackers(self, keep_api_server: bool = False) -> None:
+        """SIGKILL the server's processes except Python's resource trackers, which unlink
+        what they track once every user is gone (killing them leaks it)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = root.children(recursive=True) + ([] if keep_api_server else [root])
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            try:
+                if "resource_tracker" not in " ".join(p.cmdline()):
+                    p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Terminate the whole process group; escalate to SIGKILL after ``timeout_s``."""
         if self.proc is None:
@@ -184,18 +208,19 @@ class VLLMServer:
         except ProcessLookupError:
             pgid = None
         if pgid is not None:
-            tp_segments = _cpu_tp_segments(self.pids())
+            self._segments |= _orphanable_segments(self.pids())
             _signal_group(pgid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
+            except subprocess.TimeoutExpired:  # e.g. waiting on a request its dead engine
+                self._kill_all_but_trackers()  # will never answer
             # The group outlives the API server for a moment: Python's resource tracker
             # (which ignores SIGTERM) unlinks the engine's shared-memory segments once every
             # user is gone. Killing it early leaks hundreds of MiB of /dev/shm per server.
             _wait_group_gone(pgid, timeout_s)
             _signal_group(pgid, signal.SIGKILL)
-            _unlink(tp_segments)
+            _unlink(self._segments)
+            self._segments = set()
         self.proc.wait(timeout=timeout_s)
         self.proc = None
 
@@ -220,10 +245,13 @@ def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
             server.stop()
 
 
-def _cpu_tp_segments(pids: list[int]) -> set[str]:
-    """The ``*-cpushm_<rank>`` segments of vLLM's CPU tensor-parallel communicator mapped by
-    ``pids``. vLLM's C++ side unlinks them only on a clean interpreter exit, which a worker
-    terminated with the server never has: without this, every TP=2 server leaks 8 MiB."""
+def _orphanable_segments(pids: list[int]) -> set[str]:
+    """The /dev/shm segments vLLM maps in ``pids`` and unlinks only on a clean exit: its
+    message queues (``psm_*``, unregistered from Python's resource tracker), their locks
+    (``sem.mp-*``) and the CPU tensor-parallel communicator's (``*-cpushm_<rank>``). A worker
+    terminated with the server, or killed, never exits cleanly: without this, every TP=2
+    server leaks 8 MiB and every killed engine its queues. The trainer's staging segments
+    (``vllm_ascend_rl_*``) are the trainer's to unlink, never ours."""
     found: set[str] = set()
     for pid in pids:
         try:
@@ -231,9 +259,10 @@ def _cpu_tp_segments(pids: list[int]) -> set[str]:
         except OSError:
             continue
         for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1]
-            if path.startswith("/dev/shm/") and "-cpushm_" in path:
-                found.add(path.removesuffix(" (deleted)"))
+            path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
+            name = path.removeprefix("/dev/shm/")
+            if name != path and (name.startswith(("psm_", "sem.mp-")) or "-cpushm_" in name):
+                found.add(path)
     return found
 
 

@@ -69,6 +69,10 @@ def server_message(e: BaseException) -> str:
         from vllm_ascend_rl.client import error_message
 
         return f"HTTP {response.status_code}: {error_message(response)}"
+    import requests
+
+    if isinstance(e, requests.ConnectionError):
+        return f"the engine's server is unreachable or died ({type(e).__name__}: {e})"
     return f"{type(e).__name__}: {e}"
 
 
@@ -299,6 +303,12 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
             raise WeightSyncError(f"engine refused the update: {reason}")
         raise AssertionError("unreachable")
 
+    @property
+    def engine_name(self) -> str:
+        """The engine this trainer feeds, for messages."""
+        url = getattr(self.client, "base_url", None)
+        return f"the engine at {url}" if url else f"the engine behind {type(self.client).__name__}"
+
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
     ) -> SyncResult:
@@ -306,8 +316,15 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
 
         Returns bytes, seconds and GB/s. ``weight_version`` is passed to
         ``finish_weight_update`` and tags subsequent outputs. ``progress`` shows a byte
-        progress bar (default: for transfers of 512 MiB or more on a terminal).
+        progress bar (default: for transfers of 512 MiB or more on a terminal). A failure
+        raises WeightSyncError naming the engine.
         """
+        try:
+            return self._send_weights(weight_version, progress)
+        except WeightSyncError as e:
+            raise WeightSyncError(f"weight sync to {self.engine_name}: {e}") from e
+
+    def _send_weights(self, weight_version: str | None, progress: bool | None) -> SyncResult:
         assert self.source is not None
         specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
         plan = self._plan(specs)

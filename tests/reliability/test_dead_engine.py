@@ -1,0 +1,100 @@
+"""An engine killed mid-sync (SIGKILL of its engine core and workers), seen from the trainer.
+
+One throwaway engine per backend, started side by side: each test kills its own. The trainer
+stalls mid-transfer, the engine dies during the stall, and ``send_weights`` must fail within
+``timeout_s`` with a message that names the engine, leaving no shared memory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tests.e2e.weight_sync_cases import SMALL_BUCKET, init_trainer
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+    serving,
+)
+from vllm_ascend_rl.testing.profile import trainer_env
+from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(600)]
+
+BACKENDS = ["ascend_rl_hccl", "ascend_rl_npu_ipc"]
+TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_model_pair()
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("dead-engine")
+    servers = {
+        backend: VLLMServer(
+            models[0],
+            log_path=logs / f"{backend}.log",
+            extra_args=[
+                *engine_args(),
+                "--scheduler-cls",
+                PLUGIN_SCHEDULER,
+                "--weight-transfer-config",
+                f'{{"backend": "{backend}"}}',
+            ],
+        )
+        for backend in BACKENDS
+    }
+    with serving(*servers.values()):
+        yield servers
+
+
+def shm_of_ours() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_ascend_rl_")}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_engine_killed_mid_sync_fails_the_send_naming_the_engine(
+    engines, models, tmp_path, backend
+):
+    engine = engines[backend]
+    env = trainer_env(engine_chips=1, colocated=backend == "ascend_rl_npu_ipc")
+    shm_before = shm_of_ours()
+    with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
+        init_trainer(
+            backend, trainer, engine, timeout_s=TIMEOUT_S, packed_buffer_size_bytes=SMALL_BUCKET
+        )
+        engine.pids()  # alive and known before the kill
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                trainer.send(stall_after_tensors=8, stall_s=3)
+            except BaseException as e:
+                failure.append(e)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        time.sleep(1.5)  # inside the stall: a few buckets have landed
+        engine.kill_engine()
+        killed = time.monotonic()
+        sender.join(TIMEOUT_S + 60)
+        elapsed = time.monotonic() - killed
+        assert not sender.is_alive(), "send_weights hung after the engine died"
+        assert failure and isinstance(failure[0], TrainerError), failure
+        message = str(failure[0])
+        assert elapsed < 3 + TIMEOUT_S + 10, f"failed {elapsed:.0f}s after the kill: {message}"
+        assert engine.url in message, message
+        trainer.request("ping")  # the trainer process itself is fine
+    engine.stop(timeout_s=5)  # its API server waits on a request the dead engine never answers
+    deadline = time.monotonic() + 10
+    while shm_of_ours() - shm_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not shm_of_ours() - shm_before, "staging segments left in /dev/shm"
