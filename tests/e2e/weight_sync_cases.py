@@ -7,6 +7,7 @@ scheduler, one reference server on v2 (validation only), one trainer process hol
 
 from __future__ import annotations
 
+import os
 import time
 from typing import ClassVar
 
@@ -54,6 +55,13 @@ BAD_METADATA = {
     ),
     "int32": ({"dtype": "int32", "dtype_param": "lm_head.weight"}, "'lm_head.weight': dtype int32"),
 }
+
+
+def staging_segments() -> set[str]:
+    """The NPU-IPC trainers' staging segments on CPU (none on NPU or with HCCL)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_ascend_rl_")}
 
 
 def init_trainer(backend: str, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
@@ -182,11 +190,17 @@ class WeightSyncCases(WeightSyncServers):
     ):
         timeout_s = 10
         env = self.trainer_env(plugin_env)
+        segments_before = staging_segments()
         with TrainerProcess(models[1], log_path=tmp_path / "dying.log", env=env) as doomed:
             self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
             t0 = time.monotonic()
             with pytest.raises(TrainerError, match="exited"):
                 doomed.send(die_after_tensors=12)
+        # NPU IPC: the dead trainer's staging segments leave /dev/shm (its resource tracker
+        # unlinks them; the engine dropped its mappings); its doorbell is an abstract socket.
+        while staging_segments() - segments_before and time.monotonic() < t0 + 30:
+            time.sleep(0.2)
+        assert not staging_segments() - segments_before, "a dead trainer's segments remain"
         # The engine's update fails within timeout_s, with a message, and it keeps serving.
         deadline = t0 + timeout_s + 30
         while "weight transfer failed" not in engine.log_path.read_text(errors="replace"):
