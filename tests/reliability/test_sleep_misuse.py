@@ -222,3 +222,38 @@ def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(
     ctl.resume()
     assert stream.status_code == 200 and stream.error is None
     assert stream.num_tokens == 0 and stream.finish_reason is None
+
+
+CONTROL_FUZZ = {  # case -> (route, query parameters)
+    "sleep_level_text": ("/sleep", {"level": "deep"}),
+    "sleep_level_float": ("/sleep", {"level": "1.5"}),
+    "sleep_level_negative": ("/sleep", {"level": -1}),
+    "sleep_level_huge": ("/sleep", {"level": 2**40}),
+    "sleep_mode_unknown": ("/sleep", {"level": 1, "mode": "nap"}),
+    "wake_up_tag_unknown": ("/wake_up", {"tags": "brains"}),  # upstream: 200, ignored
+    "wake_up_tag_empty": ("/wake_up", {"tags": ""}),  # upstream: 200, ignored
+    "pause_mode_unknown": ("/pause", {"mode": "nap"}),
+    "pause_clear_cache_text": ("/pause", {"mode": "keep", "clear_cache": "maybe"}),
+}
+
+
+@pytest.mark.parametrize("asleep", [False, True], ids=["awake", "asleep"])
+@pytest.mark.parametrize("case", list(CONTROL_FUZZ))
+def test_malformed_control_calls_are_refused_and_change_nothing(
+    server, ctl, baseline, case, asleep
+):
+    """Every malformed parameter of the control routes our scheduler and worker serve, awake
+    and asleep (level 1): refused with a 4xx/5xx, and the engine is in the state it was in
+    (the fixture then checks the tokens). Unknown /wake_up tags never reach a plugin: vLLM's
+    executor (Executor.wake_up, v1/executor/abstract.py) logs "Tag ... is not in sleeping
+    tags" and returns, so the route answers 200 and nothing changes."""
+    if asleep:
+        ctl.sleep(level=1)
+    route, params = CONTROL_FUZZ[case]
+    r = requests.post(server.url + route, params=params, timeout=60)
+    if route == "/wake_up":
+        assert r.status_code == 200, f"{case}: {r.status_code} {r.text[:300]}"
+    else:
+        assert r.status_code >= 400, f"{case}: {r.status_code} {r.text[:300]}"
+    assert ctl.is_sleeping() is asleep
+    assert ctl.is_paused() is asleep
