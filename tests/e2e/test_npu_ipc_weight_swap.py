@@ -4,11 +4,15 @@ paths, and a leak test. The shared cases are in ``weight_sync_cases``."""
 from __future__ import annotations
 
 import os
+import time
 
 import psutil
 import pytest
+import requests
 
-from tests.e2e.weight_sync_cases import WeightSyncCases
+from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import greedy_token_ids
 from vllm_ascend_rl.testing.profile import current_profile
 from vllm_ascend_rl.testing.trainer import TrainerError
 
@@ -16,6 +20,34 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
 GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
 CHIP = current_profile().chip_name(0)  # the engine worker's chip
+NOBODY = "vllm_ascend_rl-00000000deadbeef"  # a doorbell address no trainer listens on
+BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
+    "missing_doorbells": ({"doorbells": None}, "doorbells"),
+    "doorbells_not_a_dict": ({"doorbells": "x"}, "'doorbells' must be dict[str, str]"),
+    "doorbells_empty": ({"doorbells": {}}, "doorbells must map chips"),
+    "doorbell_not_a_str": ({"doorbells": {CHIP: 5}}, "must be str, got int 5"),
+    "no_doorbell_for_chip": (
+        {"doorbells": {"elsewhere": NOBODY}},
+        f"no trainer rank on chip {CHIP}",
+    ),
+    "nobody_listening": ({}, f"cannot reach the trainer's doorbell '{NOBODY}'"),
+    "zero_copy": ({"zero_copy": "yes"}, "'zero_copy' must be bool"),
+    "protocol_version": ({"protocol_version": "2"}, "'protocol_version' must be int"),
+    "bucket_bytes": ({"packed_buffer_size_bytes": 0}, "packed_buffer_size_bytes must be in"),
+    "timeout_s": ({"timeout_s": -1}, "timeout_s must be in"),
+    "on_failure": ({"on_failure": "later"}, "on_failure must be one of"),
+    "unknown_field": ({"bogus": 1}, "bogus"),
+}
+
+
+def _init_body(case: str) -> dict:
+    init: dict = {"doorbells": {CHIP: NOBODY}, "timeout_s": 30}
+    for field, value in BAD_INIT[case][0].items():
+        if value is None:
+            init.pop(field, None)
+        else:
+            init[field] = value
+    return {"init_info": init}
 
 
 def shm_entries() -> set[str]:
@@ -132,6 +164,25 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             f"trainer {trainer_after >> 20} MiB"
         )
         assert growth["engine"] <= 0.02 and growth["trainer"] <= 0.02, growth
+
+    @pytest.mark.parametrize("case", list(BAD_INIT))
+    def test_malformed_init_is_refused_and_spares_the_live_trainer(
+        self, engine, reference, trainer, on_v1, v1_probe, case
+    ):
+        """Refused at once, naming the field; the live trainer's connection still syncs."""
+        t0 = time.monotonic()
+        r = requests.post(
+            engine.url + "/init_weight_transfer_engine", json=_init_body(case), timeout=120
+        )
+        elapsed = time.monotonic() - t0
+        assert r.status_code >= 400 and BAD_INIT[case][1] in r.text, r.text
+        assert elapsed < 10, f"refused after {elapsed:.1f}s (timeout_s=30)"
+        self.assert_alive_and_intact(engine, v1_probe)
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        trainer.send(weight_version="v2")  # the connection made before the bad init
+        ctl.resume()
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
 
 
 def _engine_location() -> dict:
