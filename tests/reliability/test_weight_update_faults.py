@@ -169,6 +169,28 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         waiting.join(120)
         assert waiting.ok and waiting.token_ids == greedy_token_ids(reference.url, PROBE, 24)
 
+    def test_hold_of_an_update_abandoned_before_any_weight_lapses(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
+    ):
+        """on_failure="hold", and the trainer is gone right after start_weight_update: a
+        request waits, the hold lapses after timeout_s (the model is still whole), the first
+        forward pass ends the abandoned update, and the request completes on the old
+        weights. The next trainer then syncs normally."""
+        timeout_s = 6
+        env = self.trainer_env(plugin_env)
+        with TrainerProcess(models[1], log_path=tmp_path / "gone.log", env=env) as gone:
+            self.init(gone, engine, timeout_s=timeout_s, on_failure="hold")
+            assert _post(engine.url, "/start_weight_update", {}).status_code == 200
+        waiting = StreamingCompletion(engine.url, PROBE, 24, ignore_eos=False)
+        waiting.start()
+        time.sleep(2)
+        assert waiting.is_alive() and waiting.num_tokens == 0, "generated during the update"
+        waiting.join(timeout_s + 60)
+        assert waiting.ok and waiting.token_ids == v1_probe
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+
     @pytest.mark.parametrize("paused", [True, False], ids=["paused", "generating"])
     def test_trainer_killed_before_finish_leaves_a_whole_model(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, paused

@@ -7,7 +7,9 @@ worker and the scheduler are separate processes. So the driver worker of each da
 engine publishes why generation must wait, as a small file under ``/dev/shm`` keyed by the
 engine core's process id. The plugin scheduler reads it before every step and before any resume.
 The file exists only while generation is held: it is removed when an update completes and when
-the worker exits.
+the worker exits. A hold may lapse: the hold of an update that was started but never got to
+``update_weights`` (its trainer died) ends after ``timeout_s``. The model is still whole then,
+and the first forward pass ends the abandoned update (the engine's forward guard).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +54,30 @@ def hold_supported(vllm_config: Any) -> str | None:
     )
 
 
+LAPSES = "lapses at "  # first line of a hold that ends by itself: "lapses at <unix time>"
+
+
+def hold_state(vllm_config: Any) -> tuple[str | None, float | None]:
+    """(why generation must wait, or None when it may run; when that hold lapses, or None)."""
+    try:
+        text = hold_path(vllm_config).read_text()
+    except OSError:
+        return None, None
+    lapses_at = None
+    if text.startswith(LAPSES):
+        first, _, text = text.partition("\n")
+        try:
+            lapses_at = float(first.removeprefix(LAPSES))
+        except ValueError:
+            pass
+        if lapses_at is not None and time.time() >= lapses_at:
+            return None, None
+    return text or "the weights are not whole", lapses_at
+
+
 def read_hold(vllm_config: Any) -> str | None:
     """Why generation must wait, or None when it may run."""
-    try:
-        return hold_path(vllm_config).read_text() or "the weights are not whole"
-    except OSError:
-        return None
+    return hold_state(vllm_config)[0]
 
 
 class HoldPublisher:
@@ -68,7 +89,8 @@ class HoldPublisher:
         self.enabled = enabled
         self.path: Path | None = None  # set by the first hold
 
-    def hold(self, reason: str) -> None:
+    def hold(self, reason: str, lapses_after_s: float | None = None) -> None:
+        """Hold generation for ``reason``; for ``lapses_after_s`` seconds only, if given."""
         if not self.enabled:
             return
         if self.path is None:
@@ -77,6 +99,8 @@ class HoldPublisher:
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
+            if lapses_after_s is not None:
+                f.write(f"{LAPSES}{time.time() + lapses_after_s:.3f}\n")
             f.write(reason)
         os.replace(tmp, self.path)
 

@@ -21,6 +21,7 @@ Recompute policy (``--additional-config '{"ascend_rl": {"recompute_mode": "bounc
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -33,7 +34,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
-from vllm_ascend_rl.core.hold import read_hold
+from vllm_ascend_rl.core.hold import hold_state, read_hold
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -41,6 +42,7 @@ logger = get_logger(__name__)
 CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
 SLEEP_LEVELS = (0, 1, 2)  # 0 pauses scheduling only
+HOLD_POLL_S = 0.02  # step period while only waiting for a hold to lapse
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
@@ -81,10 +83,13 @@ class RecomputeScheduler(Scheduler):
         self._asleep: PauseState | None = None  # while asleep: the pause in force before
         self._released = False  # /release_kv_cache_memory ran and no wake_up since
         self._held: str | None = None  # why we paused generation ourselves (on_failure=hold)
+        self._held_lapses = False  # ... and that hold lapses by itself: keep stepping
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        if self._held_lapses:  # stepping only to see the hold lapse: do not spin hot
+            time.sleep(HOLD_POLL_S)
         self._hold_if_weights_not_whole()
         # Marks the only preemptions that may bounce: the ones upstream's loop makes for blocks.
         self._in_schedule = True
@@ -139,11 +144,22 @@ class RecomputeScheduler(Scheduler):
 
     def has_requests(self) -> bool:
         # Keeps the engine stepping until a bounce's output is delivered.
-        if self._held is not None and read_hold(self.vllm_config) is None:
-            self._held = None  # the update completed: lift the hold we imposed
-            logger.info("weights whole again: generation resumes")
-            super().set_pause_state(PauseState.UNPAUSED)
-        return bool(self._bounced) or super().has_requests()
+        lapsing, self._held_lapses = self._held_lapses, False
+        if self._held is not None:
+            reason, lapses_at = hold_state(self.vllm_config)
+            if reason is None:  # the update completed, or its hold lapsed: lift ours
+                self._held = None
+                logger.info(
+                    "the hold of a weight update abandoned before any weight arrived lapsed: "
+                    "generation resumes on the old weights"
+                    if lapsing
+                    else "weights whole again: generation resumes"
+                )
+                super().set_pause_state(PauseState.UNPAUSED)
+            elif lapses_at is not None:
+                # Paused, the engine core would wait for input and never see the lapse.
+                self._held_lapses = len(self.waiting) + len(self.running) > 0
+        return self._held_lapses or bool(self._bounced) or super().has_requests()
 
     # -- on_failure=hold (vllm_ascend_rl.core.hold) -------------------------------------
     def _hold_if_weights_not_whole(self) -> None:

@@ -269,7 +269,15 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         self._require_connected()
         self._cancelled, self._received = None, False
         if self.holds:  # no copy of the old weights: no step may run until the update ends
-            self.hold.hold("a weight update is in progress (on_failure=hold)")
+            timeout_s = self.init_info.timeout_s
+            # Until update_weights starts receiving, the model is whole: if no call comes
+            # (a trainer died after start), the hold lapses after timeout_s and the first
+            # forward pass ends the abandoned update.
+            self.hold.hold(
+                f"a weight update is in progress (on_failure=hold); unless weights start to "
+                f"arrive within timeout_s={timeout_s:.0f}s, it is abandoned",
+                lapses_after_s=timeout_s,
+            )
         self.reload.begin(self.model, self.model_config, keep_old=not self.holds)
         # No forward pass may run on half-loaded layers: one that starts while the update is
         # open (generation was not paused) first cancels the update, restoring the old weights.
@@ -311,7 +319,9 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
     def _forward_during_update(self, module, args) -> None:
         if self.reload.active:
             self._cancel_update(
-                "generation ran while it was open: pause generation (/pause) before "
+                "no weight arrived within timeout_s and generation resumed (on_failure=hold)"
+                if self.holds
+                else "generation ran while it was open: pause generation (/pause) before "
                 "start_weight_update"
             )
 
@@ -393,6 +403,8 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         if reason is not None:
             self._abort_update()  # nothing loaded: the old weights stay
             raise WeightUpdateRefused(f"refused weight update, model unchanged: {reason}")
+        if self.holds:  # weights are about to land: from now on the hold never lapses
+            self.hold.hold("a weight update is in progress (on_failure=hold)")
         received = 0
         try:
             for bucket, buf in self._buckets(self._plan(specs), update_info):
