@@ -196,8 +196,8 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         channel, sig = self.channel, update_signature(specs) if specs else 0
         # An earlier refusal is pending (nobody joined its handshake in time). A trainer's
         # update meets it: this call is that update's, and the trainer was told "refused".
-        # Not handled: a second hand-written refusal that lands between a trainer meeting the
-        # pending one and that trainer's own call; its retry then times out (re-init works).
+        # A refusal settles one that is already met too, so a hand-written call that lands
+        # between the trainer's handshake and the trainer's own call cannot steal the answer.
         settle = channel.deferred is not None and (refusal is None or channel.deferred_met())
         if settle and not channel.settle_deferred("a refused update's handshake"):
             self._owe_stale = True
