@@ -139,7 +139,8 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, percent
     ):
         """on_failure="hold": no copy of the old weights. Once a layer took new weights, after
-        the crash nothing is generated (a request waits, /resume is refused) until a new
+        the crash nothing is generated (a request waits, /resume is refused, naming the
+        version that is partly loaded) until a new
         trainer completes a sync. A crash before any layer took new weights (possible at 2 %)
         leaves the old model whole, and it serves at once."""
         n = len(parameter_shapes(TinyModelSpec()))
@@ -153,7 +154,9 @@ class TestHCCLUpdateFaults(WeightSyncServers):
                 on_failure="hold",
             )
             with pytest.raises(TrainerError, match="exited"):
-                doomed.send(die_after_tensors=max(1, n * percent // 100))
+                doomed.send(
+                    weight_version="v2-partial", die_after_tensors=max(1, n * percent // 100)
+                )
         waiting = StreamingCompletion(engine.url, PROBE, 24, ignore_eos=False)
         waiting.start()
         time.sleep(1.5)
@@ -163,6 +166,7 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         assert waiting.is_alive() and waiting.num_tokens == 0, "generated from a mixed model"
         r = _post(engine.url, "/resume")
         assert r.status_code >= 400 and "not whole" in r.text, r.text
+        assert "of version 'v2-partial' failed after" in r.text, r.text
         assert engine.is_healthy()
         self.init(trainer, engine)
         trainer.send(weight_version="v2")  # complete: the hold lifts by itself

@@ -162,6 +162,9 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    # The version being loaded (the trainer's send_weights(weight_version=...)), so that a
+    # failed update can say which version is partly loaded; finish_weight_update sets it.
+    weight_version: str | None = None
 
     def __post_init__(self) -> None:
         """Refuse inconsistent metadata at construction, as vLLM's own update infos do."""
@@ -198,6 +201,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         self._cancelled: str | None = None  # why the open update was ended early
         self._received = False  # the open update's update_weights completed
         self._mixed = False  # on_failure=hold: a failed update left new and old layers
+        self._loading: str | None = None  # the version update_weights is loading, if named
         self.hold = HoldPublisher(vllm_config, enabled=self.parallel_config.rank == 0)
 
     @property
@@ -337,8 +341,9 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         restored, kept = self.reload.abort(self.model_config)
         if kept or self._mixed:
             self._mixed = True
+            version = f" of version {self._loading!r}" if self._loading else ""
             reason = (
-                "the weights are not whole: a weight update failed after "
+                f"the weights are not whole: a weight update{version} failed after "
                 f"{kept} layer(s) had taken new weights (on_failure=hold); generation waits "
                 "until a weight update completes"
                 if kept
@@ -403,6 +408,7 @@ class CheckpointEngine(EngineCompat, WeightTransferEngine):
         if reason is not None:
             self._abort_update()  # nothing loaded: the old weights stay
             raise WeightUpdateRefused(f"refused weight update, model unchanged: {reason}")
+        self._loading = update_info.weight_version
         if self.holds:  # weights are about to land: from now on the hold never lapses
             self.hold.hold("a weight update is in progress (on_failure=hold)")
         received = 0

@@ -340,6 +340,8 @@ class CheckpointTrainer(TrainerWeightTransferEngine):
         started = time.perf_counter()
         try:
             payload = self._payload(specs, plan)  # before the engine opens an update
+            if weight_version is not None:
+                payload["weight_version"] = weight_version
         except TRANSPORT_ERRORS as e:
             self._abort()
             raise WeightSyncError(f"preparing the update failed: {e}") from e
