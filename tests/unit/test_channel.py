@@ -139,3 +139,31 @@ def test_a_refusal_nobody_joins_is_deferred_not_broken(trainer_sig, same):
     waited, pending, met, after, broken = engine
     assert waited < 1.0 and pending and met is same
     assert trainer == ((False, same), (True, True)) and after == (True, True) and broken is None
+
+
+def test_where_a_collective_cannot_stay_pending_an_unjoined_refusal_breaks_the_channel():
+    """On NPU an HCCL collective is a device task that would block device-wide syncs while
+    pending; there the refusal marks the channel broken instead (the engine then closes it).
+    Stand-in: the CPU device with NPU's flag."""
+    from vllm_ascend_rl.device.cpu import CpuDevice
+
+    class NpuLikeCpu(CpuDevice):
+        collective_may_stay_pending = False
+
+    done = threading.Event()
+
+    def body(ch):
+        if ch.rank == 1:
+            ch.device = NpuLikeCpu()
+            t0 = time.monotonic()
+            try:
+                ch.refuse(5, "update handshake", grace_s=0.2)
+                return time.monotonic() - t0, ch.deferred, ch.broken
+            finally:
+                done.set()
+        done.wait(10)  # the trainer stays up but never joins
+        return None
+
+    _, (waited, deferred, broken) = run_ranks(2, body)
+    assert waited < 1.0 and deferred is None
+    assert broken and "a collective may not stay pending" in broken

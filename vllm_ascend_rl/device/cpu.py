@@ -27,6 +27,7 @@ _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
 class CpuDevice(Device):
     kind = "cpu"
     collective_backend = "gloo"
+    collective_may_stay_pending = True  # gloo runs it on a host thread of its own
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")

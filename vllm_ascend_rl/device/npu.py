@@ -94,6 +94,10 @@ def _unb64(text: Any, field: str) -> bytes | None:
 class NpuDevice(Device):
     kind = "npu"
     collective_backend = "hccl"
+    # An HCCL all-reduce is a task on the device that waits for its peers until
+    # HCCL_EXEC_TIMEOUT. Pending, it would block any device-wide synchronize, and vllm-ascend
+    # syncs the device (model_runner_v1.py:590 _sync_device, worker.py:857/877 @182b75e).
+    collective_may_stay_pending = False
 
     def __init__(self, index: int = 0) -> None:
         _torch_npu()

@@ -134,7 +134,8 @@ class BroadcastChannel:
 
     def refuse(self, sig: int, what: str, grace_s: float) -> None:
         """Contribute a refusal to the handshake and wait up to ``grace_s`` for the others;
-        if they have not joined by then, leave it pending in ``deferred`` (not broken)."""
+        if they have not joined by then, leave it pending in ``deferred`` (not broken), or
+        where the device cannot leave a collective pending, mark the channel broken."""
         self._check()
         if self.deferred is not None:  # one pending refusal answers the next handshake
             return
@@ -147,8 +148,13 @@ class BroadcastChannel:
             time.sleep(0.002)
         if work.is_completed():
             self.wait(work, what)
-        else:
+        elif self.device.collective_may_stay_pending:
             self.deferred = (work, t)
+        else:
+            self.broken = (
+                f"{what}: no trainer joined a refusal within {grace_s:.0f}s, and on "
+                f"{self.device.kind} a collective may not stay pending"
+            )
 
     def deferred_met(self) -> bool:
         return self.deferred is not None and self.deferred[0].is_completed()

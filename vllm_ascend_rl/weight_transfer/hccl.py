@@ -204,6 +204,12 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         if refusal is not None:
             if not self._owe_stale:  # else the trainer is not in this handshake
                 channel.refuse(sig, "update handshake", REFUSAL_GRACE_S)
+            if channel.broken:  # NPU: the refusal could not stay pending
+                self._disconnect()
+                return (
+                    f"{refusal}; {channel.broken}, so the connection was closed: call "
+                    "init_weight_transfer_engine again"
+                )
             return str(refusal)
         if self._owe_stale:
             self._owe_stale = False
