@@ -121,7 +121,7 @@ def test_source_that_disagrees_with_its_metadata_is_named():
 
 
 def test_receive_pool_recycles_a_buffer_only_when_no_view_is_alive():
-    from vllm_ascend_rl.weight_transfer.engine_base import ReceivePool
+    from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 
     pool = ReceivePool(torch.device("cpu"), max_bytes=2000)
     a = pool.take(1000)
@@ -142,7 +142,7 @@ def test_receive_pool_recycles_a_buffer_only_when_no_view_is_alive():
 
 
 def test_receive_pool_evicts_buffers_of_different_sizes():
-    from vllm_ascend_rl.weight_transfer.engine_base import ReceivePool
+    from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 
     pool = ReceivePool(torch.device("cpu"), max_bytes=3000)
     for n in (1000, 500, 1200):  # idle buffers of unequal sizes, then a larger request

@@ -49,9 +49,9 @@ from vllm_ascend_rl.weight_transfer.engine_base import (
     CheckpointEngine,
     CheckpointUpdateInfo,
     check_wire,
-    storage_use_count,
     wire_signature,
 )
+from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 
 logger = get_logger(__name__)
 

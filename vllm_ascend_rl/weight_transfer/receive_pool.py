@@ -1,0 +1,51 @@
+"""Landing buffers for received buckets (the engine side of both transports)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def storage_use_count(t: torch.Tensor) -> int | None:
+    fn = getattr(torch._C, "_storage_Use_Count", None)
+    return None if fn is None else fn(t.untyped_storage()._cdata)
+
+
+class ReceivePool:
+    """Landing buffers for received buckets, recycled once nothing references them.
+
+    Layerwise reload keeps views of a bucket until every layer in it is complete, so a buffer
+    may only be refilled when no view of its storage is alive any more (its storage use count
+    is back to the pool's own reference). Fresh memory is expensive on a host: first-touch page
+    faults made a copy into a new 256 MiB buffer 6x slower than into a warm one (180 vs 30 ms).
+    The pool keeps at most ``max_bytes``; :meth:`release` gives them back.
+    """
+
+    def __init__(self, device: torch.device, max_bytes: int) -> None:
+        self.device, self.max_bytes = device, max_bytes
+        self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b, _ in self.buffers)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes``; always a view, so the pool can see it in use."""
+        idle_entries = [(b, idle) for b, idle in self.buffers if storage_use_count(b) == idle]
+        fitting = [b for b, _ in idle_entries if b.numel() >= nbytes]
+        if fitting:
+            return min(fitting, key=lambda b: b.numel())[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        idle = storage_use_count(buf)
+        if idle is not None:
+            for victim, _ in sorted(idle_entries, key=lambda e: e[0].numel()):
+                if self.nbytes + nbytes <= self.max_bytes:
+                    break
+                # Full: make room by dropping idle buffers (by identity: tensors' == is
+                # elementwise).
+                self.buffers = [e for e in self.buffers if e[0] is not victim]
+            if self.nbytes + nbytes <= self.max_bytes:
+                self.buffers.append((buf, idle))
+        return buf[:nbytes]
+
+    def release(self) -> None:
+        self.buffers.clear()
