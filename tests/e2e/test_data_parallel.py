@@ -1,0 +1,66 @@
+"""Data parallel with internal load balancing: one server with ``--data-parallel-size 2``.
+
+Each DP rank is its own engine core with its own worker. One ``/pause`` must stop both, one
+HCCL sync must reach both (world size = 1 trainer + 2 workers; worker rank = dp_index x
+workers_per_rank + rank + 1), and every stream, whichever rank serves it, must continue on the
+new weights exactly as a fresh engine on them would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.weight_sync_cases import PROBE, init_trainer
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+    greedy_token_ids,
+    serving,
+)
+from vllm_ascend_rl.testing.profile import trainer_env
+from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
+from vllm_ascend_rl.testing.trainer import TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    v1, v2 = build_model_pair()
+    logs = tmp_path_factory.mktemp("data-parallel")
+    engine = VLLMServer(
+        v1,
+        log_path=logs / "engine-dp2.log",
+        extra_args=[
+            *engine_args(),
+            "--data-parallel-size",
+            "2",
+            "--scheduler-cls",
+            PLUGIN_SCHEDULER,
+            "--weight-transfer-config",
+            '{"backend": "ascend_rl_hccl"}',
+        ],
+    )
+    reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
+    with serving(engine, reference):
+        yield engine, reference, v2
+
+
+def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):
+    engine, reference, v2 = servers
+    ctl = EngineControlClient(engine.url)
+    assert ctl.world_size() == 2
+    env = trainer_env(engine_chips=2, colocated=False)
+    with TrainerProcess(v2, log_path=tmp_path / "trainer.log", env=env) as trainer:
+        init_trainer("ascend_rl_hccl", trainer, engine, world_size=3)
+        out = swap_mid_generation(engine.url, lambda: trainer.send(weight_version="v2"))
+    assert not out.problems, out.problems
+    assert all(k > 0 for k in out.split), out.split
+    assert check_continuations(reference.url, out) == [True] * len(out.streams)
+    log = engine.log_path.read_text(errors="replace")
+    for rank in (1, 2):  # both DP ranks' workers joined the one group
+        assert f"HCCL weight transfer ready: rank {rank} of 3" in log
+    assert greedy_token_ids(engine.url, PROBE, 16) == greedy_token_ids(reference.url, PROBE, 16)
