@@ -167,3 +167,21 @@ def test_where_a_collective_cannot_stay_pending_an_unjoined_refusal_breaks_the_c
     _, (waited, deferred, broken) = run_ranks(2, body)
     assert waited < 1.0 and deferred is None
     assert broken and "a collective may not stay pending" in broken
+
+
+def test_a_collective_that_trails_the_peers_http_answer_still_completes():
+    """The poll fails (the engine answered the update call) a moment before the engine's part
+    of the handshake arrives: the handshake still completes in step, nothing breaks."""
+
+    def body(ch):
+        if ch.rank == 1:
+            time.sleep(0.3)  # the engine contributes late
+            return ch.agree(False, 5, "update handshake"), ch.broken
+
+        def answered() -> None:
+            raise RuntimeError("update_weights failed: refused")
+
+        return ch.agree(True, 5, "update handshake", answered), ch.broken
+
+    trainer, engine = run_ranks(2, body)
+    assert trainer == ((False, True), None) and engine == ((False, True), None)

@@ -40,6 +40,40 @@ STALE_HANDSHAKE = (
 )
 
 
+POLL_GRACE_S = 2.0  # how long a collective may trail the peer's HTTP answer
+
+
+def _completes_within(work, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Exception | None:
+    """Wait until ``work`` completes or ``deadline``; ``poll`` runs while waiting. Returns the
+    poll's error if the work completed only after the poll failed."""
+    pause = 0.0
+    while not work.is_completed():
+        if poll is not None:
+            try:
+                poll()
+            except Exception as e:
+                # The peer's answer over HTTP can overtake its part of this collective (it
+                # completes its side, then fails the call): a refusal must still end the
+                # handshake in step, so give the collective a moment.
+                if not _completes_within(work, POLL_GRACE_S):
+                    raise
+                return e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no progress within timeout_s={timeout_s:.0f}s")
+        time.sleep(pause)
+        pause = min(0.002, pause + 0.0001)
+    return None
+
+
 class ChannelError(RuntimeError):
     """A collective failed or timed out; the channel must be re-initialized."""
 
@@ -96,21 +130,20 @@ class BroadcastChannel:
         now = time.monotonic()
         deadline = now + self.timeout_s
         started = self._started.pop(id(work), now)
-        pause = 0.0
         try:
-            while not work.is_completed():
-                if poll is not None:
-                    poll()
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no progress within timeout_s={self.timeout_s:.0f}s")
-                time.sleep(pause)
-                pause = min(0.002, pause + 0.0001)
-            work.wait()
-            # With our group's watchdog off (NPU), an HCCL error need not raise in wait(); the
-            # work records it, communicator errors included (ProcessGroupHCCL.cpp:807-841).
-            failure = work.exception()
+            polled = _await(work, deadline, self.timeout_s, poll)
+            try:
+                work.wait()
+                # With our group's watchdog off (NPU), an HCCL error need not raise in wait();
+                # the work records it, communicator errors included (ProcessGroupHCCL.cpp:
+                # 807-841).
+                failure = work.exception()
+            except Exception:
+                if polled is not None:  # the peer's own answer says more than the collective
+                    raise polled from None
+                raise
             if failure is not None:
-                raise RuntimeError(f"the collective failed: {failure}")
+                raise polled or RuntimeError(f"the collective failed: {failure}")
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
             # The backend runs its own timer of timeout_s from when the collective was issued
@@ -143,10 +176,7 @@ class BroadcastChannel:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
         work = self._issued(self.pg.allreduce([t], opts))
-        deadline = time.monotonic() + min(grace_s, self.timeout_s)
-        while not work.is_completed() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        if work.is_completed():
+        if _completes_within(work, min(grace_s, self.timeout_s)):
             self.wait(work, what)
         elif self.device.collective_may_stay_pending:
             self.deferred = (work, t)
