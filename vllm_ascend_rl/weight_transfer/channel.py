@@ -52,6 +52,12 @@ def _completes_within(work, seconds: float) -> bool:
     return True
 
 
+def _verdict(t: torch.Tensor) -> tuple[bool, bool]:
+    """A completed handshake: (everyone ok, everyone sent the same signature)."""
+    all_ok, lo, neg_hi = (int(v) for v in t.cpu())
+    return bool(all_ok), lo == -neg_hi
+
+
 def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Exception | None:
     """Wait until ``work`` completes or ``deadline``; ``poll`` runs while waiting. Returns the
     poll's error if the work completed only after the poll failed."""
@@ -158,12 +164,16 @@ class BroadcastChannel:
     def agree(self, ok: bool, sig: int, what: str, poll: Poll | None = None) -> tuple[bool, bool]:
         """All-reduce ``ok`` and ``sig``: (everyone ok, everyone has the same signature)."""
         self._check()
+        work, t = self._issue_handshake(ok, sig)
+        self.wait(work, what, poll)
+        return _verdict(t)
+
+    def _issue_handshake(self, ok: bool, sig: int) -> tuple[object, torch.Tensor]:
+        """Start the all-reduce (MIN) of ``[ok, sig, -sig]``; (pending work, its tensor)."""
         t = torch.tensor([int(ok), sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
-        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll)
-        all_ok, lo, neg_hi = (int(v) for v in t.cpu())
-        return bool(all_ok), lo == -neg_hi
+        return self._issued(self.pg.allreduce([t], opts)), t
 
     def refuse(self, sig: int, what: str, grace_s: float) -> None:
         """Contribute a refusal to the handshake and wait up to ``grace_s`` for the others;
@@ -172,10 +182,7 @@ class BroadcastChannel:
         self._check()
         if self.deferred is not None:  # one pending refusal answers the next handshake
             return
-        t = torch.tensor([0, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MIN
-        work = self._issued(self.pg.allreduce([t], opts))
+        work, t = self._issue_handshake(False, sig)
         if _completes_within(work, min(grace_s, self.timeout_s)):
             self.wait(work, what)
         elif self.device.collective_may_stay_pending:
@@ -196,8 +203,7 @@ class BroadcastChannel:
         assert self.deferred is not None
         (work, t), self.deferred = self.deferred, None
         self.wait(work, what)
-        _, lo, neg_hi = (int(v) for v in t.cpu())
-        return lo == -neg_hi
+        return _verdict(t)[1]
 
     def _check(self) -> None:
         if self.broken:
