@@ -11,6 +11,7 @@ from vllm_ascend_rl.core.recompute_scheduler import (
     AsyncRecomputeScheduler,
     RecomputeScheduler,
     recompute_mode_from,
+    refuse_bounce_with_connector,
 )
 from vllm_ascend_rl.testing.scheduler import SchedulerHarness, fake_model_output
 
@@ -49,8 +50,8 @@ def test_kv_starved_victim_is_finished_as_recomputed_with_its_tokens(cls, tiny_m
     assert not more
     victim = next(r for r in reqs if r.request_id == rid)
     assert victim is reqs[-1]  # FCFS: upstream's victim, the last running
-    assert (reason, stop, new_tokens) == (FinishReason.STOP, "recomputed", [])
-    assert victim.status == RequestStatus.FINISHED_STOPPED
+    assert (reason, stop, new_tokens) == (FinishReason.ABORT, "recomputed", [])
+    assert victim.status == RequestStatus.FINISHED_ABORTED
     assert 0 < victim.num_output_tokens < 100  # its tokens stay on the request/stream
     assert rid in out.finished_req_ids  # the worker drops it this very step
     assert rid not in h.scheduler.requests and victim.num_preemptions == 0
@@ -59,7 +60,7 @@ def test_kv_starved_victim_is_finished_as_recomputed_with_its_tokens(cls, tiny_m
         h.step()
     for r in reqs:  # every request either ran to its length or was bounced
         assert r.num_output_tokens == 100 or r.stop_reason == "recomputed"
-        assert r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        assert r.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_ABORTED)
 
 
 def test_local_mode_is_upstream_preemption(tiny_model):
@@ -160,3 +161,16 @@ def test_bad_config_is_refused_at_construction(config, message, tiny_model):
         harness(RecomputeScheduler, tiny_model, mode=config)
     assert message in str(e.value)
     assert recompute_mode_from({}) == "local" and recompute_mode_from(None) == "local"
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_config", "ec_transfer_config"])
+def test_bounce_is_refused_with_a_connector(field, tiny_model):
+    h = harness(RecomputeScheduler, tiny_model)
+    config = h.vllm_config
+    setattr(config, field, object())  # any configured connector (the scheduler never reaches it)
+    with pytest.raises(ValueError, match=f"bounce cannot run with a connector \\({field}\\)"):
+        RecomputeScheduler(
+            vllm_config=config, kv_cache_config=None, structured_output_manager=None, block_size=32
+        )
+    config.additional_config = {}  # local recompute with a connector is upstream's business
+    refuse_bounce_with_connector(config)

@@ -11,8 +11,13 @@ Recompute policy (``--additional-config '{"ascend_rl": {"recompute_mode": "bounc
 
 - ``local`` (default): upstream preemption; a KV-starved victim is re-prefilled here later.
 - ``bounce``: a victim that ``schedule()`` preempts because KV blocks ran out is finished with
-  ``finish_reason="stop"``, ``stop_reason="recomputed"``, carrying the tokens it generated, so
+  ``finish_reason="abort"``, ``stop_reason="recomputed"``, carrying the tokens it generated, so
   a router (:mod:`vllm_ascend_rl.router`) resends prompt + generated tokens to another engine.
+  The pair cannot be a natural end: a stop-string match finishes ``"stop"``, and an abort
+  carries no stop reason. So a client that is not behind the router sees an unfinished
+  rollout, and a user's ``stop=["recomputed"]`` is never taken for a bounce. ``bounce`` is
+  refused with a KV or EC connector: a bounced request's blocks would be freed while a
+  connector may still be transferring them.
   The victim is upstream's choice (FCFS: the last running; PRIORITY: the lowest priority).
   Preemptions from outside ``schedule()`` (``reset_prefix_cache(reset_running_requests=True)``
   during a pause with ``clear_cache`` or a weight update) are never bounced: they are how
@@ -68,6 +73,24 @@ def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
     return mode
 
 
+def refuse_bounce_with_connector(vllm_config: Any) -> None:
+    """A bounce frees the victim's KV blocks at once; a KV or EC connector may still be
+    sending or receiving them (vLLM delays such frees), so the two cannot run together."""
+    if recompute_mode_from(vllm_config.additional_config) != "bounce":
+        return
+    connectors = [
+        name
+        for name in ("kv_transfer_config", "ec_transfer_config")
+        if getattr(vllm_config, name, None) is not None
+    ]
+    if connectors:
+        raise ValueError(
+            f"{CONFIG_KEY}.recompute_mode=bounce cannot run with a connector "
+            f"({', '.join(connectors)}): a bounce frees the request's KV blocks at once, "
+            "while the connector may still be transferring them. Use recompute_mode=local."
+        )
+
+
 class RecomputeScheduler(Scheduler):
     """vLLM's synchronous scheduler plus the recompute policy.
 
@@ -75,6 +98,7 @@ class RecomputeScheduler(Scheduler):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        refuse_bounce_with_connector(kwargs.get("vllm_config") or args[0])
         super().__init__(*args, **kwargs)
         self.recompute_mode = recompute_mode_from(self.vllm_config.additional_config)
         self.num_bounced = 0
@@ -110,7 +134,7 @@ class RecomputeScheduler(Scheduler):
         """Finish the victim instead of requeueing it. Freeing it returns its blocks for the
         allocation that preempted it and puts its id in this step's ``finished_req_ids``, so
         the worker drops it; tokens still in flight for it (async scheduling) are discarded."""
-        request.status = RequestStatus.FINISHED_STOPPED
+        request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = BOUNCE_STOP_REASON
         self._free_request(request)
         self._bounced.append(request)
@@ -126,8 +150,7 @@ class RecomputeScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        # A bounce is its own output with no tokens: with tokens attached, a "stop" finish
-        # makes the detokenizer drop the last token from the text.
+        # A bounce is its own output with no tokens, after every token the victim generated.
         for request in self._bounced:
             outputs.setdefault(request.client_index, EngineCoreOutputs(outputs=[])).outputs.append(
                 EngineCoreOutput(
