@@ -25,6 +25,50 @@ class EngineControlError(RuntimeError):
         self.url, self.status, self.message = url, status, message
 
 
+# The call that takes a control call back, for the all-or-nothing rule of a fan-out.
+UNDO = {"/pause": "/resume", "/sleep": "/wake_up"}
+
+
+class FanOutError(EngineControlError):
+    """A control call failed on some of several engines; ``failures`` maps each failed URL
+    to its error, and ``undone`` each engine where the call was taken back (``None``: the
+    undo succeeded, else its error)."""
+
+    def __init__(
+        self,
+        route: str,
+        failures: dict[str, EngineControlError],
+        undo: str | None,
+        undone: dict[str, Any],
+    ) -> None:
+        first = next(iter(failures.values()))
+        parts = [
+            f"{route} failed on {len(failures)} engine(s): "
+            + "; ".join(map(str, failures.values()))
+        ]
+        ok = [u for u, r in undone.items() if not isinstance(r, EngineControlError)]
+        bad = [r for r in undone.values() if isinstance(r, EngineControlError)]
+        if ok:
+            parts.append(f"{undo} sent to the engine(s) where it had taken effect: {', '.join(ok)}")
+        if bad:
+            parts.append(f"{undo} failed too: " + "; ".join(map(str, bad)))
+        RuntimeError.__init__(self, ". ".join(parts))
+        self.url, self.status, self.message = first.url, first.status, str(self)
+        self.failures = failures
+        self.undone = {
+            u: (r if isinstance(r, EngineControlError) else None) for u, r in undone.items()
+        }
+
+
+class EnginesDisagree(RuntimeError):
+    """Engines behind one client report different states; ``values`` maps URL to state."""
+
+    def __init__(self, what: str, values: dict[str, Any]) -> None:
+        listed = ", ".join(f"{u}: {v}" for u, v in values.items())
+        super().__init__(f"engines disagree on {what} ({listed})")
+        self.what, self.values = what, values
+
+
 def error_message(response: requests.Response) -> str:
     """The human part of a vLLM error body (``{"error": {"message": ...}}`` or plain text)."""
     try:
@@ -87,22 +131,54 @@ class EngineControlClient:
         json: Any = None,
         timeout_s: float | None = None,
     ) -> list[Any] | None:
+        """One call per engine, at once. All or nothing: if any engine fails, the engines
+        where a ``/pause`` or ``/sleep`` took effect are resumed or woken again (``UNDO``),
+        and ``FanOutError`` names every failed engine. Other routes report the failures
+        after every engine had its call."""
         if self.node_rank != 0:
             return None
         if len(self.urls) == 1:
             return [self._call(self.urls[0], method, route, params, json, timeout_s)]
-        with ThreadPoolExecutor(len(self.urls)) as pool:
-            futures = [
-                pool.submit(self._call, u, method, route, params, json, timeout_s)
-                for u in self.urls
-            ]
-            return [f.result() for f in futures]
+        outcomes = self._each(self.urls, method, route, params, json, timeout_s)
+        failed = {u: o for u, o in outcomes.items() if isinstance(o, EngineControlError)}
+        if not failed:
+            return [outcomes[u] for u in self.urls]
+        undo = UNDO.get(route)
+        done = [u for u in self.urls if u not in failed]
+        undone = self._each(done, "POST", undo) if undo and done else {}
+        raise FanOutError(route, failed, undo, undone)
 
-    @staticmethod
-    def _agreed(values: Iterable[Any], what: str) -> Any:
+    def _each(
+        self,
+        urls: Sequence[str],
+        method: str,
+        route: str,
+        params: Any = None,
+        json: Any = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        """``{url: result or EngineControlError}`` for one call to each of ``urls``."""
+
+        def one(url: str) -> Any:
+            try:
+                return self._call(url, method, route, params, json, timeout_s)
+            except EngineControlError as e:
+                return e
+
+        with ThreadPoolExecutor(len(urls)) as pool:
+            return dict(zip(urls, pool.map(one, urls), strict=True))
+
+    def request(
+        self, method: str, route: str, params: Any = None, json: Any = None
+    ) -> list[Any] | None:
+        """Any dev-mode route on every engine, with the all-or-nothing rule of the typed
+        calls (the router fans control routes out through this)."""
+        return self._fan_out(method, route, params, json)
+
+    def _agreed(self, values: Iterable[Any], what: str) -> Any:
         values = list(values)
         if any(v != values[0] for v in values):
-            raise RuntimeError(f"engines disagree on {what}: {values}")
+            raise EnginesDisagree(what, dict(zip(self.urls, values, strict=True)))
         return values[0]
 
     # -- pause / resume ------------------------------------------------------------------

@@ -8,12 +8,12 @@ stalls mid-transfer, the engine dies during the stall, and ``send_weights`` must
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
 
 from tests.e2e.weight_sync_cases import SMALL_BUCKET, init_trainer
+from tests.support.dead_engine import kill_mid_sync
 from vllm_ascend_rl.testing import (
     PLUGIN_SCHEDULER,
     VLLMServer,
@@ -22,7 +22,7 @@ from vllm_ascend_rl.testing import (
     serving,
 )
 from vllm_ascend_rl.testing.profile import trainer_env
-from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+from vllm_ascend_rl.testing.trainer import TrainerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(600)]
 
@@ -71,28 +71,7 @@ def test_engine_killed_mid_sync_fails_the_send_naming_the_engine(
         init_trainer(
             backend, trainer, engine, timeout_s=TIMEOUT_S, packed_buffer_size_bytes=SMALL_BUCKET
         )
-        engine.pids()  # alive and known before the kill
-        failure: list[BaseException] = []
-
-        def send() -> None:
-            try:
-                trainer.send(stall_after_tensors=8, stall_s=3)
-            except BaseException as e:
-                failure.append(e)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        time.sleep(1.5)  # inside the stall: a few buckets have landed
-        engine.kill_engine()
-        killed = time.monotonic()
-        sender.join(TIMEOUT_S + 60)
-        elapsed = time.monotonic() - killed
-        assert not sender.is_alive(), "send_weights hung after the engine died"
-        assert failure and isinstance(failure[0], TrainerError), failure
-        message = str(failure[0])
-        assert elapsed < 3 + TIMEOUT_S + 10, f"failed {elapsed:.0f}s after the kill: {message}"
-        assert engine.url in message, message
-        trainer.request("ping")  # the trainer process itself is fine
+        kill_mid_sync(trainer, engine, TIMEOUT_S)
     engine.stop(timeout_s=5)  # its API server waits on a request the dead engine never answers
     deadline = time.monotonic() + 10
     while shm_of_ours() - shm_before and time.monotonic() < deadline:

@@ -63,7 +63,7 @@ def _settle(
 
 
 def swap_mid_generation(
-    url: str,
+    url: str | Sequence[str],
     sync: Callable[[], Any],
     *,
     prompts: Sequence[str] = PROMPTS,
@@ -78,22 +78,31 @@ def swap_mid_generation(
     """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
     e.g. the trainer's step, has returned); ``sync()``; resume.
 
+    With several engines (``url`` a list, as behind an external load balancer) the streams
+    are dealt round-robin over them and pause and resume fan out to all of them.
+
     On a loaded machine the client can see tokens long after the server produced them, so
     waiting for ``min_tokens`` on the client may be too late. The pause therefore probes:
     after ``before_pause()``, pause and look at the settled counts; too few tokens → resume
     and pause again a little later (a pause/resume without a sync is harmless); a request
     already finished → resume and retry the round with a shorter first probe.
     """
-    ctl = EngineControlClient(url, timeout_s=timeout_s)
+    urls = [url] if isinstance(url, str) else list(url)
+    ctl = EngineControlClient(urls, timeout_s=timeout_s)
     # The first streams a server serves can reach the client late (lazy set-up in the API
     # server): a probe then reads no tokens while the engine finishes every request. Warm the
     # streaming path up first.
-    warm = StreamingCompletion(url, prompts[0], 4, model=model)
-    warm.start()
-    warm.join(timeout_s)
+    warms = [StreamingCompletion(u, prompts[0], 4, model=model) for u in urls]
+    for warm in warms:
+        warm.start()
+    for warm in warms:
+        warm.join(timeout_s)
     probe_s = 0.05
     for attempt in range(attempts):
-        streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
+        streams = [
+            StreamingCompletion(urls[i % len(urls)], p, max_tokens, model=model)
+            for i, p in enumerate(prompts)
+        ]
         # Admit the requests together (queued behind a pause): they decode in lockstep.
         ctl.pause("keep")
         for s in streams:
@@ -122,12 +131,15 @@ def swap_mid_generation(
         t2 = time.perf_counter()
         result = sync()
         t3 = time.perf_counter()
+        during = [s.num_tokens for s in streams]  # nothing may be generated while paused
         ctl.resume()
         t4 = time.perf_counter()
         for s in streams:
             s.join(timeout_s)
         break
     out = SwapOutcome(streams, split, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
+    if during != split:
+        out.problems.append(f"tokens arrived while paused: {split} at the pause, {during} after")
     for i, s in enumerate(streams):
         if not s.ok or s.finish_reason != "length" or s.num_tokens != max_tokens:
             out.problems.append(

@@ -91,6 +91,8 @@ class TrainerProcess:
         return reply.get("result")
 
     def init(self, backend: str, url: str, **init_info: Any) -> None:
+        """``trainer_init`` for the engine at ``url``. One trainer may feed several engines
+        (an external load balancer): each has its own connection, kept by URL."""
         self.request("init", backend=backend, url=url, init_info=init_info)
 
     def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
@@ -98,8 +100,11 @@ class TrainerProcess:
         as a multi-rank trainer has one."""
         self.request("dist_init", port=master_port, rank=rank, world_size=world_size)
 
-    def send(self, weight_version: str | None = None, **faults: Any) -> dict:
-        return self.request("send", weight_version=weight_version, faults=faults)
+    def send(
+        self, weight_version: str | None = None, *, url: str | None = None, **faults: Any
+    ) -> dict:
+        """Sync the engine at ``url`` (default: the one initialized last)."""
+        return self.request("send", weight_version=weight_version, url=url, faults=faults)
 
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))
@@ -194,7 +199,8 @@ def _serve(model_path: str) -> None:
     from vllm_ascend_rl.device import current_device
 
     model = load_hf_model(model_path).to(current_device().torch_device())
-    engine = None
+    engines: dict[str, Any] = {}  # one trainer-side engine per server URL
+    last_url: str | None = None
 
     def reply(ok: bool, result: Any = None, error: str | None = None) -> None:
         sys.stdout.write(REPLY + json.dumps({"ok": ok, "result": result, "error": error}) + "\n")
@@ -207,7 +213,7 @@ def _serve(model_path: str) -> None:
             if cmd == "ping":
                 reply(True, {"pid": os.getpid()})
             elif cmd == "exit":
-                if engine is not None:
+                for engine in engines.values():
                     engine.shutdown()
                 reply(True)
                 return
@@ -228,22 +234,23 @@ def _serve(model_path: str) -> None:
                     )
                 reply(True)
             elif cmd == "init":
-                if engine is not None:
-                    engine.shutdown()
-                    engine = None
+                if msg["url"] in engines:
+                    engines.pop(msg["url"]).shutdown()
                 fields = dict(msg["init_info"])
                 if fields.pop("die_during_init", False):
                     _die_during_init()
                 info = _init_info(msg["backend"], fields)
-                engine = WeightTransferTrainerFactory.trainer_init(
+                engines[msg["url"]] = WeightTransferTrainerFactory.trainer_init(
                     info,
                     client=HTTPVLLMWeightSyncClient(msg["url"], timeout=600),
                     source=ModuleSource(model),
                 )
+                last_url = msg["url"]
                 reply(True)
             elif cmd == "send":
+                engine = engines.get(msg.get("url") or last_url or "")
                 if engine is None:
-                    raise RuntimeError("send before init")
+                    raise RuntimeError(f"send before init (engine {msg.get('url')})")
                 faults = dict(msg.get("faults") or {})
                 payload_patch = faults.pop("payload", None)
                 if faults.pop("die_before_finish", False):  # every weight sent, never finished

@@ -1,7 +1,7 @@
 """A router in front of vLLM engines that turns bounced completions into uninterrupted ones.
 
 An engine in ``recompute_mode=bounce`` finishes a KV-starved request with
-``finish_reason="stop"``, ``stop_reason="recomputed"`` and the tokens it generated. This router
+``finish_reason="abort"``, ``stop_reason="recomputed"`` and the tokens it generated. This router
 resends prompt + generated tokens (as token ids, so nothing is re-tokenized) with the remaining
 ``max_tokens`` to the least-loaded engine and stitches the pieces, so its client sees one
 completion: one id, one stream, all the tokens, usage counted against the original prompt.
@@ -9,32 +9,62 @@ completion: one id, one stream, all the tokens, usage counted against the origin
     python -m vllm_ascend_rl.router --engines http://h1:8000,http://h2:8000 --port 9000
 
 ``POST /v1/completions`` (one prompt, string or token ids; ``n=1``; streaming or not) is
-routed this way. Every other path is forwarded to an engine as is (a bounced chat completion
-therefore reaches its client as ``stop_reason="recomputed"``). ``GET /router/stats`` reports
-the requests and resends per engine.
+routed this way. The other data-plane paths (``/v1/*``, ``/health``, ``/metrics``, ...) go to
+one engine as they are (a bounced chat completion therefore reaches its client as
+``finish_reason="abort"``, ``stop_reason="recomputed"``). ``GET /router/stats`` reports the
+requests and resends per engine.
+
+A control route must never reach one replica only. ``/pause``, ``/resume``, ``/sleep``,
+``/wake_up``, ``/is_paused``, ``/is_sleeping`` and ``/reset_prefix_cache`` go to every engine,
+all or nothing (:class:`~vllm_ascend_rl.client.EngineControlClient`): if one engine fails to
+pause or sleep, the others are resumed or woken, and the error names the failed engine; a
+state the engines disagree on answers 409. Every other path, the weight-transfer routes and
+``/collective_rpc`` among them, is refused with 403: each engine needs its own call (its own
+rank offset), so send those to the engines directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_ascend_rl.core import BOUNCE_STOP_REASON
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError, EnginesDisagree
+from vllm_ascend_rl.router.stitch import (
+    Completion,
+    Piece,
+    RouterError,
+    error_body,
+    merge_logprobs,
+    piece_of,
+    shift_offsets,
+)
+
+# Routes that go to every engine, with the all-or-nothing rule of EngineControlClient.
+FANNED_OUT = (
+    "/pause",
+    "/resume",
+    "/is_paused",
+    "/sleep",
+    "/wake_up",
+    "/is_sleeping",
+    "/reset_prefix_cache",
+)
+# Paths that may go to any one engine; everything else is refused.
+DATA_PLANE_PREFIXES = ("/v1/", "/v2/")
+DATA_PLANE_PATHS = ("/health", "/ping", "/metrics", "/version", "/tokenize", "/detokenize")
 
 
-class RouterError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+def is_data_plane(path: str) -> bool:
+    return path.startswith(DATA_PLANE_PREFIXES) or path in DATA_PLANE_PATHS
 
 
 @dataclass
@@ -50,113 +80,6 @@ class Engines:
         low = min(self.in_flight.get(u, 0) for u in self.urls)
         tied = [u for u in self.urls if self.in_flight.get(u, 0) == low]
         return tied[next(self._tie) % len(tied)]
-
-
-@dataclass
-class Piece:
-    """What one engine call produced of a routed completion."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: Any
-    prompt_token_ids: list[int] | None
-    usage: dict | None = None
-
-    @property
-    def bounced(self) -> bool:
-        return self.finish_reason == "stop" and self.stop_reason == BOUNCE_STOP_REASON
-
-
-class Completion:
-    """One client completion: the body for the next engine call, and how many resends."""
-
-    def __init__(self, body: dict, max_resends: int) -> None:
-        if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
-            raise RouterError(400, "the router routes n=1 completions only")
-        prompt = body.get("prompt")
-        one_text = isinstance(prompt, str)
-        one_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
-        if not (one_text or one_ids) or (one_ids and not prompt):
-            raise RouterError(400, "the router routes one prompt (a string or token ids)")
-        self.client_body = body
-        self.max_resends = max_resends
-        self.resends = 0
-        self.prompt_ids: list[int] | None = prompt if one_ids else None
-        self.generated: list[int] = []
-
-    def next_body(self, stream: bool) -> dict:
-        body = dict(self.client_body, return_token_ids=True, stream=stream)
-        if self.generated:
-            body["prompt"] = self.prompt_ids + self.generated
-            for key in ("max_tokens", "min_tokens"):
-                if body.get(key) is not None:
-                    body[key] = max(0, body[key] - len(self.generated))
-            body.pop("echo", None)
-        return body
-
-    def absorb(self, piece: Piece) -> bool:
-        """Record a piece; True if it bounced and may be resent."""
-        if self.prompt_ids is None:
-            self.prompt_ids = piece.prompt_token_ids
-        self.generated += piece.token_ids
-        if not piece.bounced or self.prompt_ids is None or self.resends >= self.max_resends:
-            return False
-        remaining = self.client_body.get("max_tokens")
-        if remaining is not None and len(self.generated) >= remaining:
-            return False
-        self.resends += 1
-        return True
-
-    def usage(self, last: dict | None) -> dict | None:
-        if last is None:
-            return None
-        prompt = len(self.prompt_ids or [])
-        return dict(
-            last,
-            prompt_tokens=prompt,
-            completion_tokens=len(self.generated),
-            total_tokens=prompt + len(self.generated),
-        )
-
-    def shape_choice(self, choice: dict) -> dict:
-        """Drop the token ids we asked for if the client did not ask for them."""
-        if not self.client_body.get("return_token_ids"):
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        return choice
-
-
-def error_body(status: int, message: str) -> dict:
-    """vLLM's error shape, so clients parse router errors like engine errors."""
-    return {"error": {"message": message, "code": status}}
-
-
-def _piece(choice: dict, usage: dict | None = None) -> Piece:
-    return Piece(
-        token_ids=list(choice.get("token_ids") or []),
-        text=choice.get("text") or "",
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=choice.get("prompt_token_ids"),
-        usage=usage,
-    )
-
-
-def shift_offsets(logprobs: dict | None, by: int) -> None:
-    """Completion logprobs carry text offsets; a resent piece's start at its own text."""
-    if logprobs and by and logprobs.get("text_offset"):
-        logprobs["text_offset"] = [o + by for o in logprobs["text_offset"]]
-
-
-def merge_logprobs(acc: dict | None, new: dict | None, text_len: int) -> dict | None:
-    """Concatenate the per-token logprob lists of the pieces of one completion."""
-    if new is None:
-        return acc
-    shift_offsets(new, text_len)
-    if acc is None:
-        return new
-    return {k: (acc.get(k) or []) + (v or []) for k, v in new.items()}
 
 
 def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -> FastAPI:
@@ -207,7 +130,7 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 await release(url, resp)
             first = first or data
             choice = data["choices"][0]
-            piece = _piece(choice, data.get("usage"))
+            piece = piece_of(choice, data.get("usage"))
             logprobs = merge_logprobs(logprobs, choice.get("logprobs"), len(text))
             text += piece.text
             again = completion.absorb(piece)
@@ -296,8 +219,47 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     async def stats() -> dict:
         return {"requests": engines.requests, "resends": engines.resends, "engines": engines.urls}
 
+    async def fan_out(request: Request) -> Response:
+        """A control route on every engine (see the module docstring)."""
+        route = request.url.path
+        body = await request.body()
+        try:
+            payload = json.loads(body) if body else None
+        except json.JSONDecodeError:
+            return JSONResponse(error_body(400, "body is not JSON"), 400)
+        ctl = EngineControlClient(engines.urls, timeout_s=timeout_s)
+        params = list(request.query_params.multi_items())
+        try:
+            out = await asyncio.to_thread(ctl.request, request.method, route, params, payload)
+        except EngineControlError as e:
+            failures = getattr(e, "failures", {e.url: e})
+            statuses = {f.status for f in failures.values()}
+            status = statuses.pop() if len(statuses) == 1 and None not in statuses else 502
+            return JSONResponse(error_body(status, f"router: {e}"), status)
+        assert out is not None
+        if any(o != out[0] for o in out):
+            disagree = EnginesDisagree(route, dict(zip(engines.urls, out, strict=True)))
+            return JSONResponse(error_body(409, f"router: {disagree}"), 409)
+        if isinstance(out[0], str):
+            return Response(out[0])
+        return JSONResponse(out[0])
+
+    for route in FANNED_OUT:
+        app.add_api_route(route, fan_out, methods=["GET", "POST"])
+
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
+        if not is_data_plane("/" + path):
+            return JSONResponse(
+                error_body(
+                    403,
+                    f"the router does not forward /{path}: it would reach one of "
+                    f"{len(engines.urls)} engines. It fans out {', '.join(FANNED_OUT)}; send "
+                    "weight-transfer calls, /collective_rpc and other control calls to each "
+                    "engine directly (each has its own rank offset)",
+                ),
+                403,
+            )
         url = engines.pick()
         try:
             async with session().request(
@@ -316,6 +278,9 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     return app
 
 
+__all__ = ["FANNED_OUT", "Completion", "Piece", "build_app", "is_data_plane", "main"]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", required=True, help="comma-separated engine base URLs")
@@ -328,7 +293,3 @@ def main(argv: list[str] | None = None) -> None:
 
     urls = [u for u in args.engines.split(",") if u]
     uvicorn.run(build_app(urls, args.max_resends, args.timeout_s), host=args.host, port=args.port)
-
-
-if __name__ == "__main__":
-    main()

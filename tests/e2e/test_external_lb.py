@@ -1,0 +1,303 @@
+"""External load balancing: two independent servers behind one EngineControlClient and the router.
+
+With external load balancing every engine must be paused on its own (the seed's DP rule), so
+control calls fan out, all or nothing: when one engine fails to pause or sleep, the ones that
+did are resumed or woken and the error names the failed engine. One trainer syncs both engines,
+one HCCL group per engine (world size 2 each): an engine that dies mid-sync then fails only its
+own sync, and the other engine keeps its weights. The engines are also the router's replicas.
+The reference for the synced weights is vLLM's own loader (``reload_weights`` from disk).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import requests
+
+from tests.e2e.weight_sync_cases import PROBE, init_trainer
+from tests.support.dead_engine import kill_mid_sync
+from tests.support.router import running_router
+from vllm_ascend_rl.client import EngineControlClient, EnginesDisagree, FanOutError
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    StreamingCompletion,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+    free_port,
+    greedy_token_ids,
+    serving,
+)
+from vllm_ascend_rl.testing.profile import current_profile, trainer_env
+from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
+from vllm_ascend_rl.testing.trainer import TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+TIMEOUT_S = 15  # the trainer's timeout_s
+OBSERVE_S = 1.0  # window in which a paused engine must produce nothing
+MAX_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_model_pair()
+
+
+@pytest.fixture(scope="module")
+def engines(models, tmp_path_factory) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    logs = tmp_path_factory.mktemp("external-lb")
+    a, b = (
+        VLLMServer(
+            models[0],
+            log_path=logs / f"engine-{name}.log",
+            # One core each, as two engines would each have their own device. Sharing both
+            # cores, one engine's spinning OpenMP threads starve the other's decode.
+            env={"VLLM_CPU_OMP_THREADS_BIND": core},
+            extra_args=[
+                *engine_args(),
+                "--worker-cls",
+                current_profile().sleepable_worker,
+                "--scheduler-cls",
+                PLUGIN_SCHEDULER,
+                "--weight-transfer-config",
+                '{"backend": "ascend_rl_hccl"}',
+            ],
+        )
+        for name, core in (("a", "0"), ("b", "1"))
+    )
+    with serving(a, b):
+        yield a, b
+
+
+@pytest.fixture(scope="module")
+def v1_tokens(engines) -> list[int]:
+    a, b = engines
+    tokens = greedy_token_ids(a.url, PROBE, 16)
+    assert greedy_token_ids(b.url, PROBE, 16) == tokens
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def router(engines):
+    with running_router([e.url for e in engines]) as url:
+        yield url
+
+
+@pytest.fixture
+def ctl(engines) -> Iterator[EngineControlClient]:
+    client = EngineControlClient([e.url for e in engines], timeout_s=120)
+    yield client
+    for e in engines:  # leave every engine awake and resumed, one by one
+        one = EngineControlClient(e.url, timeout_s=120)
+        if one.is_sleeping():
+            one.wake_up()
+        one.resume()
+
+
+def is_paused(engine: VLLMServer) -> bool:
+    return EngineControlClient(engine.url).is_paused()
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def streams_on(engines, max_tokens: int = MAX_TOKENS, min_tokens: int = 4) -> list:
+    """Two streams per engine, admitted together (queued behind a pause), each with at least
+    ``min_tokens`` tokens. A short stream first warms each server's streaming path up."""
+    for e in engines:
+        warm = StreamingCompletion(e.url, "warm up", 4)
+        warm.run()
+    both = EngineControlClient([e.url for e in engines], timeout_s=60)
+    streams = [
+        StreamingCompletion(e.url, f"Stream {i} on engine {j}:", max_tokens)
+        for j, e in enumerate(engines)
+        for i in range(2)
+    ]
+    both.pause("keep")
+    for s in streams:
+        s.start()
+    time.sleep(0.5)
+    both.resume()
+    deadline = time.monotonic() + 60
+    while min(s.num_tokens for s in streams) < min_tokens and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return streams
+
+
+def finish(streams: list[StreamingCompletion], max_tokens: int = MAX_TOKENS) -> None:
+    for s in streams:
+        s.join(300)
+        assert s.ok, s.error
+        assert s.finish_reason == "length" and s.num_tokens == max_tokens
+
+
+def test_one_pause_stops_every_engine_and_one_resume_restarts_them(engines, ctl, v1_tokens):
+    """Streams on both engines, pause(keep) fanned out while every stream is mid-way, one
+    second paused (nothing may arrive), resume: every stream finishes with all its tokens.
+    The same on one engine alone, for the pause time with 1 vs 2 engines."""
+    urls = [e.url for e in engines]
+    pause_ms = {}
+    for n in (1, 2):
+        out = swap_mid_generation(urls[:n], lambda: time.sleep(OBSERVE_S))
+        assert not out.problems, out.problems
+        assert all(k > 0 for k in out.split), out.split
+        served = {s.url.removesuffix("/v1/completions") for s in out.streams}
+        assert served == set(urls[:n])
+        pause_ms[n] = out.pause_ms
+    print(f"\npause(keep) mid-generation: 1 engine {pause_ms[1]:.0f} ms, 2 {pause_ms[2]:.0f} ms")
+
+
+def test_an_is_paused_disagreement_is_reported(engines, ctl, router):
+    a, b = engines
+    EngineControlClient(a.url).pause("keep")
+    with pytest.raises(EnginesDisagree) as e:
+        ctl.is_paused()
+    assert e.value.values == {a.url: True, b.url: False}
+    assert a.url in str(e.value) and b.url in str(e.value)
+    r = requests.get(router + "/is_paused", timeout=30)
+    assert r.status_code == 409, r.text
+    assert "disagree" in r.text and a.url in r.text
+
+
+def test_engine_down_before_pause_resumes_the_engines_that_paused(engines, ctl, v1_tokens):
+    a, b = engines
+    dead = dead_url()
+    streams = streams_on(engines)
+    with pytest.raises(FanOutError) as e:
+        EngineControlClient([a.url, b.url, dead], timeout_s=30).pause("keep")
+    assert set(e.value.failures) == {dead} and e.value.failures[dead].status is None
+    assert e.value.undone == {a.url: None, b.url: None}, e.value.undone
+    assert dead in str(e.value) and "/resume sent" in str(e.value)
+    assert not any(is_paused(x) for x in engines)
+    finish(streams)  # generation went on
+    with pytest.raises(FanOutError, match="/wake_up sent"):
+        EngineControlClient([a.url, dead], timeout_s=30).sleep(1)
+    assert EngineControlClient(a.url).is_sleeping() is False
+    assert greedy_token_ids(a.url, PROBE, 16) == v1_tokens
+
+
+def test_engine_hung_during_pause_resumes_the_engines_that_paused(engines, ctl, v1_tokens):
+    a, b = engines
+    os.kill(b.proc.pid, signal.SIGSTOP)  # b's API server stops answering mid-call
+    try:
+        with pytest.raises(FanOutError) as e:
+            EngineControlClient([a.url, b.url], timeout_s=3).pause("keep")
+        assert set(e.value.failures) == {b.url}, e.value
+        assert "timed out" in str(e.value.failures[b.url]).lower()
+        assert e.value.undone == {a.url: None}
+        assert not is_paused(a)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    # b's pause, accepted while it hung, lands late: its state is b's caller's to settle.
+    time.sleep(1)
+    EngineControlClient(b.url).resume()
+    assert not is_paused(b)
+    assert greedy_token_ids(b.url, PROBE, 16) == v1_tokens
+
+
+def test_router_fans_control_routes_out_and_refuses_per_engine_ones(
+    engines, ctl, router, v1_tokens
+):
+    a, b = engines
+
+    def post(route: str, **params) -> requests.Response:
+        return requests.post(router + route, params=params, timeout=120)
+
+    assert post("/pause", mode="keep").status_code == 200
+    assert is_paused(a) and is_paused(b)
+    assert requests.get(router + "/is_paused", timeout=30).json() == {"is_paused": True}
+    assert post("/resume").status_code == 200
+    assert not is_paused(a) and not is_paused(b)
+    bad = post("/pause", mode="sideways")  # both refuse: their own 4xx, nothing paused
+    assert 400 <= bad.status_code < 500, bad.text
+    assert not is_paused(a) and not is_paused(b)
+    assert post("/sleep", level=1).status_code == 200
+    assert all(EngineControlClient(e.url).is_sleeping() for e in engines)
+    assert post("/wake_up").status_code == 200
+    assert not any(EngineControlClient(e.url).is_sleeping() for e in engines)
+    for route in (
+        "/collective_rpc",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/release_kv_cache_memory",
+    ):
+        r = requests.post(router + route, json={"method": "memory_in_use"}, timeout=30)
+        assert r.status_code == 403, (route, r.text)
+        assert "does not forward" in r.json()["error"]["message"]
+    for engine in engines:  # nothing reached an engine
+        assert greedy_token_ids(engine.url, PROBE, 16) == v1_tokens
+    assert requests.get(router + "/v1/models", timeout=30).status_code == 200
+
+
+def test_router_with_an_engine_down_or_hung_pauses_none(engines, ctl):
+    a, b = engines
+    with running_router([a.url, dead_url()]) as url:
+        r = requests.post(url + "/pause", params={"mode": "keep"}, timeout=60)
+        assert r.status_code == 502 and "unreachable" in r.text, r.text
+        assert not is_paused(a)
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        with running_router([a.url, b.url], timeout_s=3) as url:
+            r = requests.post(url + "/pause", params={"mode": "keep"}, timeout=60)
+            assert r.status_code == 502 and b.url in r.text, r.text
+            assert not is_paused(a)
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    time.sleep(1)
+    EngineControlClient(b.url).resume()
+    assert not is_paused(b)
+
+
+@pytest.fixture(scope="module")
+def trainer(engines, models, tmp_path_factory) -> Iterator[TrainerProcess]:
+    """One trainer (holding v2) with one HCCL connection per engine."""
+    log = tmp_path_factory.mktemp("external-lb-trainer") / "trainer.log"
+    env = trainer_env(engine_chips=1, colocated=False)
+    with TrainerProcess(models[1], log_path=log, env=env) as t:
+        for engine in engines:
+            init_trainer("ascend_rl_hccl", t, engine, timeout_s=TIMEOUT_S)
+        yield t
+
+
+def test_one_trainer_syncs_both_engines_mid_generation(engines, ctl, trainer, models):
+    a, b = engines
+    times: dict[str, float] = {}
+
+    def sync_both() -> None:
+        for engine in engines:
+            times[engine.url] = trainer.send(weight_version="v2", url=engine.url)["seconds"]
+
+    out = swap_mid_generation([a.url, b.url], sync_both)
+    assert not out.problems, out.problems
+    assert all(k > 0 for k in out.split), out.split
+    v2_tokens = greedy_token_ids(a.url, PROBE, 16)
+    assert greedy_token_ids(b.url, PROBE, 16) == v2_tokens
+    EngineControlClient(a.url).reload_weights(str(models[1]))  # vLLM's own loader: reference
+    assert greedy_token_ids(a.url, PROBE, 16) == v2_tokens
+    assert check_continuations(a.url, out) == [True] * len(out.streams)
+    print(
+        f"\n2 engines: pause {out.pause_ms:.0f} ms, sync {out.sync_ms:.0f} ms "
+        f"(per engine {', '.join(f'{s * 1e3:.0f} ms' for s in times.values())}), "
+        f"resume {out.resume_ms:.0f} ms"
+    )
+
+
+def test_an_engine_killed_mid_sync_fails_only_its_sync(engines, trainer, models, v1_tokens):
+    """Last in the module: engine a does not come back."""
+    a, b = engines
+    v2_tokens = greedy_token_ids(b.url, PROBE, 16)
+    assert v2_tokens != v1_tokens
+    trainer.load(models[0])  # the trainer's next "step" is v1 again
+    message, elapsed = kill_mid_sync(trainer, a, TIMEOUT_S, url=a.url)
+    print(f"\nthe sync to the killed engine failed {elapsed:.1f} s after the kill: {message}")
+    assert greedy_token_ids(b.url, PROBE, 16) == v2_tokens  # untouched, intact
+    trainer.send(weight_version="v1", url=b.url)  # the other connection still works
+    assert greedy_token_ids(b.url, PROBE, 16) == v1_tokens
