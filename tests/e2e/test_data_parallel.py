@@ -3,24 +3,29 @@
 Each DP rank is its own engine core with its own worker. One ``/pause`` must stop both, one
 HCCL sync must reach both (world size = 1 trainer + 2 workers; worker rank = dp_index x
 workers_per_rank + rank + 1), and every stream, whichever rank serves it, must continue on the
-new weights exactly as a fresh engine on them would.
+new weights exactly as a fresh engine on them would. Sleep and wake must reach both ranks:
+each rank's worker process frees its KV cache.
 """
 
 from __future__ import annotations
 
+import time
+
+import psutil
 import pytest
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.testing import (
     PLUGIN_SCHEDULER,
+    StreamingCompletion,
     VLLMServer,
     build_model_pair,
     engine_args,
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import trainer_env
+from vllm_ascend_rl.testing.profile import current_profile, trainer_env
 from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
 from vllm_ascend_rl.testing.trainer import TrainerProcess
 
@@ -38,6 +43,8 @@ def servers(tmp_path_factory):
             *engine_args(),
             "--data-parallel-size",
             "2",
+            "--worker-cls",
+            current_profile().sleepable_worker,
             "--scheduler-cls",
             PLUGIN_SCHEDULER,
             "--weight-transfer-config",
@@ -64,3 +71,55 @@ def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):
     for rank in (1, 2):  # both DP ranks' workers joined the one group
         assert f"HCCL weight transfer ready: rank {rank} of 3" in log
     assert greedy_token_ids(engine.url, PROBE, 16) == greedy_token_ids(reference.url, PROBE, 16)
+
+
+def rank_rss(server: VLLMServer) -> dict[str, int]:
+    """Resident bytes per DP rank: its engine core process and its worker process."""
+    out = {}
+    for pid in server.pids():
+        try:
+            core = psutil.Process(pid)
+            if "EngineCore" in core.name():
+                procs = [core, *core.children(recursive=True)]
+                out[core.name()] = sum(p.memory_info().rss for p in procs)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_one_pause_freezes_both_ranks_and_keep_requests_resume(servers):
+    engine, _, _ = servers
+    ctl = EngineControlClient(engine.url, timeout_s=120)
+    streams = [StreamingCompletion(engine.url, f"Rank test {i}:", 400) for i in range(8)]
+    for s in streams:
+        s.start()
+    deadline = time.monotonic() + 60
+    while min(s.num_tokens for s in streams) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ctl.pause("keep")
+    assert ctl.is_paused() is True
+    time.sleep(0.5)  # chunks in transit arrive
+    frozen = [s.num_tokens for s in streams]
+    time.sleep(1.0)
+    assert [s.num_tokens for s in streams] == frozen, "a DP rank generated while paused"
+    ctl.resume()
+    for s in streams:
+        s.join(300)
+        assert s.ok and s.finish_reason == "length" and s.num_tokens == 400, s.error
+
+
+def test_sleep_and_wake_reach_both_ranks(servers):
+    engine, _, _ = servers
+    ctl = EngineControlClient(engine.url, timeout_s=120)
+    before_tokens = greedy_token_ids(engine.url, PROBE, 16)
+    awake = rank_rss(engine)
+    assert len(awake) == 2, awake
+    ctl.sleep(1)
+    assert ctl.is_sleeping() is True
+    asleep = rank_rss(engine)
+    freed = {name: awake[name] - asleep[name] for name in awake}
+    print(f"\nlevel 1 freed per DP rank: { {n: f >> 20 for n, f in freed.items()} } MiB")
+    assert all(f >= 0.9 * (1 << 30) for f in freed.values()), freed  # each rank's 1 GiB KV
+    ctl.wake_up()
+    assert ctl.is_sleeping() is False
+    assert greedy_token_ids(engine.url, PROBE, 16) == before_tokens

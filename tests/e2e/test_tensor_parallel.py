@@ -1,0 +1,149 @@
+"""Tensor parallel 2 on CPU: the pause matrix, an HCCL swap and sleep, on one TP=2 server.
+
+vLLM's CPU build runs TP over its multiprocessing executor, one worker process per rank. On
+this one-NUMA-node host each rank needs its own core by hand (``VLLM_CPU_OMP_THREADS_BIND``).
+The HCCL group is the trainer plus both workers (world size 3). The reference for synced
+weights is the same TP=2 engine loading the checkpoint from disk with vLLM's own
+``reload_weights``, which is what a fresh TP=2 engine on the new weights would hold.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.e2e.test_pause_resume import (  # the same matrix, run on this module's server
+    test_invalid_pause_mode_preserves_state,  # noqa: F401
+    test_pause_mode_request_lifecycle,  # noqa: F401
+    test_pause_resume_state_is_idempotent_across_cycles,  # noqa: F401
+)
+from tests.e2e.weight_sync_cases import init_trainer
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.testing import (
+    PLUGIN_SCHEDULER,
+    TinyModelSpec,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+    greedy_token_ids,
+    serving,
+)
+from vllm_ascend_rl.testing.profile import current_profile, trainer_env
+from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
+from vllm_ascend_rl.testing.tiny_model import parameter_shapes
+from vllm_ascend_rl.testing.trainer import TrainerProcess
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+SPEC = TinyModelSpec(
+    num_layers=4, hidden_size=768, num_heads=12, num_kv_heads=12, intermediate_size=2048
+)  # ~60 MB of bf16 weights, so what a level-2 sleep frees per worker stands out
+KV_GIB = 1
+PROBE = "Tensor parallel:"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return build_model_pair(SPEC)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    srv = VLLMServer(
+        models[0],
+        log_path=tmp_path_factory.mktemp("tp2") / "engine-tp2.log",
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
+        kv_cache_gib=KV_GIB,
+        extra_args=[
+            *engine_args(),
+            "--tensor-parallel-size",
+            "2",
+            "--enable-prefix-caching",
+            "--enable-prompt-tokens-details",
+            "--worker-cls",
+            current_profile().sleepable_worker,
+            "--scheduler-cls",
+            PLUGIN_SCHEDULER,
+            "--weight-transfer-config",
+            '{"backend": "ascend_rl_hccl"}',
+        ],
+    )
+    srv.scheduler_kind = "plugin"  # for the shared pause tests
+    with serving(srv):
+        yield srv
+
+
+@pytest.fixture
+def ctl(server):
+    client = EngineControlClient(server.url, timeout_s=300)
+    client.resume()
+    assert client.is_paused() is False
+    yield client
+    if client.is_sleeping():
+        client.wake_up()
+    client.resume()
+
+
+def workers_memory(server: VLLMServer) -> list[dict[str, int]]:
+    """Per TP worker: bytes its process holds (CPU: resident set) and its sleep pool."""
+    return EngineControlClient(server.url).collective_rpc("memory_in_use")[0]
+
+
+def weight_bytes() -> int:
+    total = 0
+    for _, shape in parameter_shapes(SPEC):
+        n = 1
+        for d in shape:
+            n *= d
+        total += 2 * n
+    return total
+
+
+def test_server_has_two_workers(server, ctl):
+    assert ctl.world_size() == 2
+    assert len(workers_memory(server)) == 2
+
+
+def test_hccl_swap_reaches_both_ranks_and_continuations_match(server, ctl, models, tmp_path):
+    v1 = greedy_token_ids(server.url, PROBE, 16)
+    env = trainer_env(engine_chips=2, colocated=False)
+    with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
+        init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
+        out = swap_mid_generation(server.url, lambda: trainer.send(weight_version="v2"))
+    assert not out.problems, out.problems
+    assert all(k > 0 for k in out.split), out.split
+    synced = greedy_token_ids(server.url, PROBE, 16)
+    assert synced != v1
+    ctl.reload_weights(str(models[1]))  # a fresh TP=2 load of v2 from disk: the reference
+    assert greedy_token_ids(server.url, PROBE, 16) == synced
+    assert check_continuations(server.url, out) == [True] * len(out.streams)
+    log = server.log_path.read_text(errors="replace")
+    for rank in (1, 2):
+        assert f"HCCL weight transfer ready: rank {rank} of 3" in log
+    ctl.reload_weights(str(models[0]))
+    assert greedy_token_ids(server.url, PROBE, 16) == v1
+    print(f"\nTP=2 swap: pause {out.pause_ms:.0f} ms, sync {out.sync_ms:.0f} ms")
+
+
+def test_sleep_levels_free_memory_in_every_worker(server, ctl, models):
+    baseline = greedy_token_ids(server.url, PROBE, 16)
+    awake = workers_memory(server)
+    ctl.sleep(1)
+    level1 = workers_memory(server)
+    kv_freed = [a["bytes"] - s["bytes"] for a, s in zip(awake, level1, strict=True)]
+    ctl.wake_up()
+    assert greedy_token_ids(server.url, PROBE, 16) == baseline
+    ctl.sleep(2)
+    level2 = workers_memory(server)
+    weights_freed = [s1["bytes"] - s2["bytes"] for s1, s2 in zip(level1, level2, strict=True)]
+    print(
+        f"\nper worker: level 1 freed {[f >> 20 for f in kv_freed]} MiB, level 2 "
+        f"{[f >> 20 for f in weights_freed]} MiB more (weights {weight_bytes() >> 20} MiB)"
+    )
+    for freed in kv_freed:  # each rank's KV cache (VLLM_CPU_KVCACHE_SPACE is per rank)
+        assert freed >= 0.9 * (KV_GIB << 30), kv_freed
+    for freed in weights_freed:  # each rank's shard of the weights
+        assert freed >= 0.5 * weight_bytes() / 2, weights_freed
+    ctl.wake_up(["weights"])
+    ctl.reload_weights(str(models[0]))
+    ctl.wake_up(["kv_cache"])
+    assert greedy_token_ids(server.url, PROBE, 16) == baseline
