@@ -53,12 +53,13 @@ e2e: $(STAMP)
 clean:
 	rm -rf .venv .venv-vllm-* build *.egg-info .pytest_cache .ruff_cache
 
+# The benchmarks use the test kit (tests/support), which is not installed: PYTHONPATH=.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/weight_sync.py
-	$(BIN)/python benchmarks/ipc_sync.py
-	$(BIN)/python benchmarks/sleep_wake.py
-	$(BIN)/python benchmarks/scheduler_overhead.py
+	PYTHONPATH=. $(BIN)/python benchmarks/weight_sync.py
+	PYTHONPATH=. $(BIN)/python benchmarks/ipc_sync.py
+	PYTHONPATH=. $(BIN)/python benchmarks/sleep_wake.py
+	PYTHONPATH=. $(BIN)/python benchmarks/scheduler_overhead.py
 
 # Long reliability run (not in CI): 32 streams x 20 swap cycles, sleep/wake cycles, RSS/fd/shm.
 soak: $(STAMP)
-	$(BIN)/python benchmarks/soak.py
+	PYTHONPATH=. $(BIN)/python benchmarks/soak.py

@@ -4,6 +4,7 @@ engines for either backend, and the transport-only measurement."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 import requests
@@ -14,11 +15,11 @@ from vllm.distributed.weight_transfer import (
     WeightTransferTrainerFactory,
 )
 
-from vllm_ascend_rl.testing import TinyModelSpec, VLLMServer, free_port
-from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
-from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress
+from tests.support import TinyModelSpec, VLLMServer, free_port
 
-EXT = "vllm_ascend_rl.testing.bench_worker_ext.WeightSyncBenchExtension"
+# The extension lives beside this file; the benchmark servers find it on PYTHONPATH.
+EXT = "bench_worker_ext.WeightSyncBenchExtension"
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def big_spec(layers: int = 10) -> TinyModelSpec:
@@ -50,6 +51,7 @@ def bench_server(path, backend: str) -> VLLMServer:
             "--worker-extension-cls",
             EXT,
         ],
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))},
     )
 
 
@@ -80,23 +82,20 @@ def e2e_s(engine, repeats: int) -> float:
 def transport_s(engine, url: str) -> float:
     """Trainer-side seconds of one update's data plane with a receiver that does not load:
     the engine runs the same handshake and receive (or copy-out) path, minus layerwise
-    reload."""
-    specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in engine.source.metadata()]
-    plan = engine._plan(specs)
-    info = json.dumps(engine._payload(specs, plan))
-    receive = BackgroundCall(
-        "discard",
-        requests.post,
-        url + "/collective_rpc",
-        None,
-        {"method": "bench_receive_discard", "kwargs": {"update_info": info}},
-    )
-    assert engine._agree(specs, receive)
-    bar = Progress(0, False, "")
-    engine._send(plan, receive, bar)
-    seconds = bar.close()
-    assert receive.result(600).status_code == 200
-    return seconds
+    reload (the engines' public transport probes)."""
+
+    def receive(payload: dict) -> None:
+        r = requests.post(
+            url + "/collective_rpc",
+            json={
+                "method": "bench_receive_discard",
+                "kwargs": {"update_info": json.dumps(payload)},
+            },
+            timeout=600,
+        )
+        r.raise_for_status()
+
+    return engine.send_transport_only(receive)
 
 
 def median_transport_s(engine, url: str, repeats: int) -> float:

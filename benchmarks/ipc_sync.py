@@ -33,9 +33,9 @@ from bench_common import (
 )
 
 import vllm_ascend_rl
+from tests.support import build_tiny_model
+from tests.support.tiny_model import load_hf_model
 from vllm_ascend_rl.device import current_device
-from vllm_ascend_rl.testing import build_tiny_model
-from vllm_ascend_rl.testing.tiny_model import load_hf_model
 
 
 def memcpy_s(nbytes: int, repeats: int) -> float:

@@ -22,9 +22,9 @@ import time
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from tests.support import TinyModelSpec, build_tiny_model
+from tests.support.scheduler import SchedulerHarness, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
-from vllm_ascend_rl.testing import TinyModelSpec, build_tiny_model
-from vllm_ascend_rl.testing.scheduler import SchedulerHarness, fake_model_output
 
 BOUNCE = {"ascend_rl": {"recompute_mode": "bounce"}}
 CASES = [  # (label, class, additional_config, upstream label)

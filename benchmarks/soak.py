@@ -24,17 +24,17 @@ from pathlib import Path
 
 import psutil
 
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     VLLMServer,
     build_model_pair,
     engine_args,
     free_port,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
-from vllm_ascend_rl.testing.rl_step import PROMPTS, swap_mid_generation
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.profile import current_profile, trainer_env
+from tests.support.rl_step import PROMPTS, swap_mid_generation
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
 
 SHM = Path("/dev/shm")
 

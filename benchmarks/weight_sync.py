@@ -34,8 +34,8 @@ from bench_common import (
 )
 
 import vllm_ascend_rl
-from vllm_ascend_rl.testing import TinyModelSpec, build_tiny_model
-from vllm_ascend_rl.testing.tiny_model import load_hf_model
+from tests.support import TinyModelSpec, build_tiny_model
+from tests.support.tiny_model import load_hf_model
 
 
 def raw_broadcast_s(engine, url: str, buf: torch.Tensor) -> float:

@@ -16,14 +16,15 @@ import argparse
 import sys
 import time
 
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from demo_plumbing import (  # the server launcher and stream client: the repo's test kit
     PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
     build_tiny_model,
     engine_args,
 )
+
+from vllm_ascend_rl.client import EngineControlClient
 
 PROMPTS = [
     "The weather today is",

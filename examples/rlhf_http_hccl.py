@@ -1,52 +1,115 @@
 """Async RL with vLLM and the HCCL weight-transfer engine: generate with weights k while the
 trainer produces k+1; pause(keep); sync; resume; validate.
 
-With no arguments, on CPU: builds tiny random-weight checkpoints v1..v4, starts a vLLM server on
-v1 with ``--weight-transfer-config '{"backend": "ascend_rl_hccl"}'`` and the plugin scheduler,
-plus a reference server used only for validation. This script is the trainer. Each step streams
-requests on weights k while a "training step" (loading checkpoint k+1) runs in a thread; once
-every request has some tokens the server is paused with ``mode=keep``, the weights are sent,
-and the server resumes. In-flight requests then recompute their context and continue on the
-new weights; the reference server on checkpoint k+1 must reproduce every continuation exactly
-from prompt + tokens-before-pause. One table row per step.
+The engine is a vLLM server started with ``--weight-transfer-config '{"backend":
+"ascend_rl_hccl"}'`` and the plugin scheduler; this script is the trainer. Each step streams
+requests on weights k while a training step (here: loading checkpoint k+1) runs in a thread.
+Once every request has a few tokens the server is paused with ``mode=keep`` (requests stay;
+their KV cache, stale after the update, is dropped), the weights are broadcast, and the server
+resumes: every request recomputes its context and continues on the new weights. A reference
+server on k+1 must then reproduce each continuation exactly, greedily, from prompt + the tokens
+generated before the pause. One row per step.
 
-Real use (e.g. on Ascend, against a server you started with the flags above)::
-
+    python examples/rlhf_http_hccl.py          # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_hccl.py --server-url http://engine:8000 --model /path/to/hf \\
-        --device npu --master-address <this host's IP> [--reference-url http://ref:8000]
+        --device npu --master-address <this host's IP>
+
+(Set-up that is not the point, the tiny checkpoints and the servers, is in demo_plumbing.py.)
 """
 
 from __future__ import annotations
 
-import sys
+import threading
+import time
 
+from demo_plumbing import (
+    continuation_matches,
+    demo,
+    parse_args,
+    settled_counts,
+    start_streams,
+    wait_for_tokens,
+)
 from vllm.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
     WeightTransferTrainerFactory,
 )
+from vllm.utils.network_utils import get_open_port
 
+import vllm_ascend_rl
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import free_port
-from vllm_ascend_rl.testing.rl_loop import demo_args, demo_main
 from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
 
-def connect(url: str, model, args):
-    """The whole trainer-side setup: public calls only (register() ran before)."""
-    workers = EngineControlClient(url).world_size()  # engine workers across TP*PP*DP
-    return WeightTransferTrainerFactory.trainer_init(
-        HCCLTrainerInitInfo(
-            master_address=args.master_address,
-            master_port=free_port(),
-            world_size=workers + 1,
-            rank=0,
-            packed=True,
-        ),
-        client=HTTPVLLMWeightSyncClient(url),
-        source=ModuleSource(model),
-    )
+def main() -> int:
+    args = parse_args(__doc__.split("\n\n")[0])
+    vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
+    with demo(args, "ascend_rl_hccl") as setup:
+        # -- set-up: the control client and the trainer's side of the weight transfer ----
+        ctl = EngineControlClient(setup.engine_url)
+        workers = ctl.world_size()  # every engine worker (TP x PP x DP) joins the group
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            HCCLTrainerInitInfo(
+                master_address=args.master_address,  # the trainer hosts the rendezvous
+                master_port=get_open_port(),
+                world_size=workers + 1,
+                rank=0,
+                packed=True,
+            ),
+            client=HTTPVLLMWeightSyncClient(setup.engine_url),
+            source=ModuleSource(setup.policy.model),
+        )
+        print(
+            f"{'step':>4} {'weights':>9} {'before':>8} {'pause ms':>9} {'sync ms':>8} "
+            f"{'GB/s':>6}  validation  (before: tokens per request at the pause)"
+        )
+        all_ok = True
+        for k in range(1, args.steps + 1):
+            # -- generate with weights k while the trainer produces k+1 -------------------
+            training = threading.Thread(target=setup.policy.train_step, args=(k,))
+            training.start()
+            streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
+            wait_for_tokens(streams, args.min_tokens)
+            training.join()
+
+            # -- pause (keep) -> sync -> resume --------------------------------------------
+            t0 = time.perf_counter()
+            ctl.pause("keep")
+            pause_ms = (time.perf_counter() - t0) * 1e3
+            split = settled_counts(streams)  # tokens each request had on weights k
+            result = trainer.send_weights(weight_version=f"v{k + 1}")
+            ctl.resume()
+            for s in streams:
+                s.join(600)
+
+            # -- validate: each continuation, from its own prefix, on a fresh v(k+1) -------
+            problems = [
+                f"request {i}: {s.finish_reason}, {s.num_tokens} tokens, {s.error}"
+                for i, s in enumerate(streams)
+                if not s.ok or s.num_tokens != args.max_tokens
+            ]
+            reference = setup.reference_for(k)
+            if reference is not None:
+                matches = [
+                    continuation_matches(reference, s, n, args.model_name)
+                    for s, n in zip(streams, split, strict=True)
+                ]
+                verdict = f"{sum(matches)}/{len(matches)} continuations exact"
+                problems += [] if all(matches) else ["a continuation differs"]
+            else:
+                verdict = "skipped (no reference)"
+            all_ok &= not problems
+            print(
+                f"{k:>4} {f'v{k}->v{k + 1}':>9} {f'{min(split)}-{max(split)}':>8} "
+                f"{pause_ms:>9.1f} {result.seconds * 1e3:>8.1f} "
+                f"{result.gbps:>6.2f}  {'FAIL' if problems else 'PASS'} {verdict} "
+                + "; ".join(problems)
+            )
+        trainer.shutdown()
+    print("all steps validated" if all_ok else "VALIDATION FAILED")
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(demo_main(demo_args(__doc__.split("\n\n")[0]), "ascend_rl_hccl", connect))
+    raise SystemExit(main())

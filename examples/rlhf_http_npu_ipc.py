@@ -1,54 +1,110 @@
 """Colocated RL with vLLM and the NPU-IPC weight-transfer engine: trainer and engine share a
-chip, so weights are handed over through shared staging buffers instead of a collective.
+chip, so weights are handed over through shared staging buffers instead of a collective, and
+the engine sleeps while the trainer trains.
 
-With no arguments, on CPU (shared memory stands in for NPU IPC): builds tiny checkpoints v1..v4,
-starts a vLLM server on v1 with ``--weight-transfer-config '{"backend": "ascend_rl_npu_ipc"}'``,
-the plugin scheduler and the sleepable CPU worker, plus a reference server used only for
-validation. Each step streams requests on weights k, then ``/sleep?level=2&mode=keep`` (the
-engine gives its KV cache and weights back while the trainer trains: it loads checkpoint k+1),
-wakes the weights, syncs them, wakes the KV cache (which resumes); the reference on k+1 must
-reproduce every continuation exactly from prompt + tokens-before-pause. One row per step.
+The engine is a vLLM server on the trainer's chip, started with ``--weight-transfer-config
+'{"backend": "ascend_rl_npu_ipc"}'``, the plugin scheduler and the device's sleepable worker
+(``--worker-cls vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker``; on CPU, where shared
+memory stands in for NPU IPC, ``...cpu_worker.SleepableCPUWorker``). Each step streams requests
+on weights k; once each has a few tokens, ``/sleep?level=2&mode=keep`` pauses them and gives
+the KV cache and the weights back; the trainer trains (here: loads checkpoint k+1); the engine
+wakes its weights, the trainer syncs them, the engine wakes its KV cache, and ``/resume`` lets
+every request continue on the new weights. A reference server on k+1 must reproduce each
+continuation exactly from prompt + the tokens before the pause. One row per step.
 
-Real use (on Ascend, a server on the same chip started with
-``--worker-cls vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker``)::
-
+    python examples/rlhf_http_npu_ipc.py       # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_npu_ipc.py --server-url http://localhost:8000 \\
         --model /path/to/hf --device npu
+
+(Set-up that is not the point, the tiny checkpoints and the servers, is in demo_plumbing.py.)
 """
 
 from __future__ import annotations
 
-import sys
+import time
 
+from demo_plumbing import (
+    continuation_matches,
+    demo,
+    parse_args,
+    settled_counts,
+    start_streams,
+    wait_for_tokens,
+)
 from vllm.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
     WeightTransferTrainerFactory,
 )
 
-from vllm_ascend_rl.testing.rl_loop import demo_args, demo_main
+import vllm_ascend_rl
+from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
 SLEEPABLE_CPU_WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
 
 
-def connect(url: str, model, args):
-    """The whole trainer-side setup: public calls only (register() ran before)."""
-    return WeightTransferTrainerFactory.trainer_init(
-        NPUIPCTrainerInitInfo(rank=0, packed=True),
-        client=HTTPVLLMWeightSyncClient(url),
-        source=ModuleSource(model),
-    )
+def main() -> int:
+    args = parse_args(__doc__.split("\n\n")[0])
+    vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
+    with demo(args, "ascend_rl_npu_ipc", ["--worker-cls", SLEEPABLE_CPU_WORKER]) as setup:
+        # -- set-up: the control client and the trainer's side of the weight transfer ----
+        ctl = EngineControlClient(setup.engine_url)
+        trainer = WeightTransferTrainerFactory.trainer_init(
+            NPUIPCTrainerInitInfo(rank=0, packed=True),  # one trainer rank per engine chip
+            client=HTTPVLLMWeightSyncClient(setup.engine_url),
+            source=ModuleSource(setup.policy.model),
+        )
+        print(
+            f"{'step':>4} {'weights':>9} {'before':>8} {'sleep ms':>9} {'sync ms':>8} "
+            f"{'GB/s':>6}  validation  (before: tokens per request at the pause)"
+        )
+        all_ok = True
+        for k in range(1, args.steps + 1):
+            # -- generate with weights k ----------------------------------------------------
+            streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
+            wait_for_tokens(streams, args.min_tokens)
+
+            # -- sleep (pauses, keep) -> train -> wake weights -> sync -> wake KV -> resume --
+            t0 = time.perf_counter()
+            ctl.sleep(2, mode="keep")  # the KV cache and the weights leave the chip
+            sleep_ms = (time.perf_counter() - t0) * 1e3
+            split = settled_counts(streams)  # tokens each request had on weights k
+            setup.policy.train_step(k)  # the trainer has the chip to itself
+            ctl.wake_up(["weights"])
+            result = trainer.send_weights(weight_version=f"v{k + 1}")
+            ctl.wake_up(["kv_cache"])
+            ctl.resume()  # a wake keeps the pause taken by the sleep
+            for s in streams:
+                s.join(600)
+
+            # -- validate: each continuation, from its own prefix, on a fresh v(k+1) -------
+            problems = [
+                f"request {i}: {s.finish_reason}, {s.num_tokens} tokens, {s.error}"
+                for i, s in enumerate(streams)
+                if not s.ok or s.num_tokens != args.max_tokens
+            ]
+            reference = setup.reference_for(k)
+            if reference is not None:
+                matches = [
+                    continuation_matches(reference, s, n, args.model_name)
+                    for s, n in zip(streams, split, strict=True)
+                ]
+                verdict = f"{sum(matches)}/{len(matches)} continuations exact"
+                problems += [] if all(matches) else ["a continuation differs"]
+            else:
+                verdict = "skipped (no reference)"
+            all_ok &= not problems
+            print(
+                f"{k:>4} {f'v{k}->v{k + 1}':>9} {f'{min(split)}-{max(split)}':>8} "
+                f"{sleep_ms:>9.1f} {result.seconds * 1e3:>8.1f} "
+                f"{result.gbps:>6.2f}  {'FAIL' if problems else 'PASS'} {verdict} "
+                + "; ".join(problems)
+            )
+        trainer.shutdown()
+    print("all steps validated" if all_ok else "VALIDATION FAILED")
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(
-        demo_main(
-            demo_args(__doc__.split("\n\n")[0]),
-            "ascend_rl_npu_ipc",
-            connect,
-            engine_flags=["--worker-cls", SLEEPABLE_CPU_WORKER],
-            colocated=True,
-            sleep_level=2,
-        )
-    )
+    raise SystemExit(main())

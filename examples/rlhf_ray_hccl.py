@@ -192,7 +192,7 @@ class Trainer:
 
 def tiny_checkpoints() -> tuple[str, str]:
     """Demo plumbing, not the point: two tiny random-weight checkpoints (v1, v2) on CPU."""
-    from vllm_ascend_rl.testing import build_model_pair
+    from demo_plumbing import build_model_pair
 
     v1, v2 = build_model_pair()
     return str(v1), str(v2)

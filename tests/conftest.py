@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ascend_rl.testing import TinyModelSpec, build_tiny_model
+from tests.support import TinyModelSpec, build_tiny_model
 
 
 def pytest_addoption(parser):

@@ -13,9 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.support.router import running_router
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     ServerStartError,
     StreamingCompletion,
@@ -26,6 +24,8 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
+from tests.support.router import running_router
+from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -15,8 +15,7 @@ import psutil
 import pytest
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
@@ -25,9 +24,10 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
-from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.profile import current_profile, trainer_env
+from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -19,10 +19,7 @@ import pytest
 import requests
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
-from tests.support.dead_engine import kill_mid_sync
-from tests.support.router import running_router
-from vllm_ascend_rl.client import EngineControlClient, EnginesDisagree, FanOutError
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
@@ -32,9 +29,12 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
-from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.dead_engine import kill_mid_sync
+from tests.support.profile import current_profile, trainer_env
+from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.router import running_router
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient, EnginesDisagree, FanOutError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -20,12 +20,12 @@ import pytest
 import requests
 
 from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
+from tests.support import free_port, greedy_token_ids
+from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.standin_vllm_ascend import install_standin
+from tests.support.trainer import TrainerError
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.compat import has_weight_version_spans, scale_out_flags
-from vllm_ascend_rl.testing import free_port, greedy_token_ids
-from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.trainer import TrainerError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

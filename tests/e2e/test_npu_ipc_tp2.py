@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     VLLMServer,
     build_model_pair,
     engine_args,
@@ -24,8 +23,9 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
-from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+from tests.support.profile import current_profile, trainer_env
+from tests.support.trainer import TrainerError, TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -11,10 +11,10 @@ import pytest
 import requests
 
 from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
+from tests.support import greedy_token_ids
+from tests.support.profile import current_profile
+from tests.support.trainer import TrainerError
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import greedy_token_ids
-from vllm_ascend_rl.testing.profile import current_profile
-from vllm_ascend_rl.testing.trainer import TrainerError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -13,14 +13,14 @@ import time
 import pytest
 import requests
 
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
     complete,
     engine_args,
 )
+from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(600)]
 

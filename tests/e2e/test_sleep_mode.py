@@ -10,19 +10,19 @@ import time
 import pytest
 import requests
 
-from tests.support.sleep_servers import leave_awake, sleepable_server
-from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.compat import has_route, sleep_route_validates_level
-from vllm_ascend_rl.testing import (
+from tests.support import (
     StreamingCompletion,
     TinyModelSpec,
     VLLMServer,
     build_tiny_model,
     greedy_token_ids,
 )
-from vllm_ascend_rl.testing.profile import trainer_env
-from vllm_ascend_rl.testing.tiny_model import parameter_shapes
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.profile import trainer_env
+from tests.support.sleep_servers import leave_awake, sleepable_server
+from tests.support.tiny_model import parameter_shapes
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+from vllm_ascend_rl.compat import has_route, sleep_route_validates_level
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -17,8 +17,7 @@ from tests.e2e.test_pause_resume import (  # the same matrix, run on this module
     test_pause_resume_state_is_idempotent_across_cycles,  # noqa: F401
 )
 from tests.e2e.weight_sync_cases import init_trainer
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     TinyModelSpec,
     VLLMServer,
@@ -27,10 +26,11 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import current_profile, trainer_env
-from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.tiny_model import parameter_shapes
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.profile import current_profile, trainer_env
+from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.tiny_model import parameter_shapes
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

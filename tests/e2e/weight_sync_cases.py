@@ -14,8 +14,7 @@ from typing import ClassVar
 import pytest
 import requests
 
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     VLLMServer,
     build_model_pair,
@@ -24,9 +23,10 @@ from vllm_ascend_rl.testing import (
     greedy_token_ids,
     serving,
 )
-from vllm_ascend_rl.testing.profile import trainer_env
-from vllm_ascend_rl.testing.rl_step import check_continuations, swap_mid_generation
-from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+from tests.support.profile import trainer_env
+from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.trainer import TrainerError, TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
 
 PROBE = "Weights under test:"
 UNKNOWN = "model.norm.weight_unknown"

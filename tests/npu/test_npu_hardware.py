@@ -31,7 +31,7 @@ def _run(code: str, env: dict[str, str], *args: str) -> subprocess.Popen:
 
 
 def _chip(i: int) -> dict[str, str]:
-    from vllm_ascend_rl.testing.profile import current_profile
+    from tests.support.profile import current_profile
 
     return current_profile().chips_env([i])
 
@@ -67,7 +67,7 @@ HCCL_RANK = """
 def test_hccl_group_broadcasts_and_survives_a_vanished_peer():
     """[A1, A7] The group forms over HCCL; a peer that leaves gives our error within
     timeout_s, the close does not hang, and the process is not taken down."""
-    from vllm_ascend_rl.testing import free_port
+    from tests.support import free_port
 
     port = str(free_port())
     ranks = [_run(HCCL_RANK, _chip(r), port, str(r)) for r in (0, 1)]

@@ -13,16 +13,16 @@ import time
 import pytest
 
 from tests.e2e.weight_sync_cases import SMALL_BUCKET, init_trainer
-from tests.support.dead_engine import kill_mid_sync
-from vllm_ascend_rl.testing import (
+from tests.support import (
     PLUGIN_SCHEDULER,
     VLLMServer,
     build_model_pair,
     engine_args,
     serving,
 )
-from vllm_ascend_rl.testing.profile import trainer_env
-from vllm_ascend_rl.testing.trainer import TrainerProcess
+from tests.support.dead_engine import kill_mid_sync
+from tests.support.profile import trainer_env
+from tests.support.trainer import TrainerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(600)]
 

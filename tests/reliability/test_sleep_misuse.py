@@ -11,13 +11,13 @@ import time
 import pytest
 import requests
 
-from tests.support.sleep_servers import leave_awake, sleepable_server
-from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.compat import has_route
-from vllm_ascend_rl.testing import (
+from tests.support import (
     StreamingCompletion,
     greedy_token_ids,
 )
+from tests.support.sleep_servers import leave_awake, sleepable_server
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+from vllm_ascend_rl.compat import has_route
 
 pytestmark = [
     pytest.mark.e2e,

@@ -13,10 +13,10 @@ import pytest
 import requests
 
 from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers
+from tests.support import StreamingCompletion, free_port, greedy_token_ids
+from tests.support.tiny_model import TinyModelSpec, parameter_shapes
+from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing import StreamingCompletion, free_port, greedy_token_ids
-from vllm_ascend_rl.testing.tiny_model import TinyModelSpec, parameter_shapes
-from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)]
 

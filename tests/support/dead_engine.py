@@ -5,8 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
-from vllm_ascend_rl.testing import VLLMServer
-from vllm_ascend_rl.testing.trainer import TrainerError, TrainerProcess
+from tests.support import VLLMServer
+from tests.support.trainer import TrainerError, TrainerProcess
 
 STALL_S = 3  # the trainer stalls this long after a few tensors; the kill lands inside
 

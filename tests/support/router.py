@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import requests
 
-from vllm_ascend_rl.testing import free_port
+from tests.support import free_port
 
 
 @contextmanager

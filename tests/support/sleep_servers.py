@@ -6,9 +6,9 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+from tests.support import PLUGIN_SCHEDULER, VLLMServer, engine_args
+from tests.support.profile import current_profile
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.testing import PLUGIN_SCHEDULER, VLLMServer, engine_args
-from vllm_ascend_rl.testing.profile import current_profile
 
 
 @contextmanager

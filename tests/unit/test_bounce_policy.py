@@ -7,13 +7,13 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine import FinishReason
 from vllm.v1.request import RequestStatus
 
+from tests.support.scheduler import SchedulerHarness, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import (
     AsyncRecomputeScheduler,
     RecomputeScheduler,
     recompute_mode_from,
     refuse_bounce_with_connector,
 )
-from vllm_ascend_rl.testing.scheduler import SchedulerHarness, fake_model_output
 
 BOUNCE = {"ascend_rl": {"recompute_mode": "bounce"}}
 OURS = [RecomputeScheduler, AsyncRecomputeScheduler]

@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
+from tests.support import free_port
 from vllm_ascend_rl.device import get_device
-from vllm_ascend_rl.testing import free_port
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError, signature
 
 

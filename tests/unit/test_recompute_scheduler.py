@@ -15,8 +15,8 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from tests.support.scheduler import SchedulerHarness, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
-from vllm_ascend_rl.testing.scheduler import SchedulerHarness, fake_model_output
 
 OURS = [RecomputeScheduler, AsyncRecomputeScheduler]
 UPSTREAM_OF = {RecomputeScheduler: Scheduler, AsyncRecomputeScheduler: AsyncScheduler}

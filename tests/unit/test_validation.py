@@ -6,7 +6,7 @@ import pytest
 import torch
 from vllm.config import ModelConfig
 
-from vllm_ascend_rl.testing.tiny_model import parameter_shapes
+from tests.support.tiny_model import parameter_shapes
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
 from vllm_ascend_rl.weight_transfer.validation import (
     WeightUpdateRefused,
@@ -23,7 +23,7 @@ def expected(tiny_model):
 
 @pytest.fixture
 def good_specs(tiny_model):
-    from vllm_ascend_rl.testing.tiny_model import TinyModelSpec
+    from tests.support.tiny_model import TinyModelSpec
 
     return [TensorSpec(n, torch.bfloat16, s) for n, s in parameter_shapes(TinyModelSpec())]
 

@@ -38,6 +38,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
 )
 from vllm_ascend_rl.weight_transfer.channel import signature
 from vllm_ascend_rl.weight_transfer.fields import FieldError, check_field_types
+from vllm_ascend_rl.weight_transfer.probe import EngineTransportProbe
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 from vllm_ascend_rl.weight_transfer.validation import (
@@ -138,7 +139,7 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
         }
 
 
-class CheckpointEngine(EngineCompat, WeightTransferEngine):
+class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine):
     """Template for engines that receive checkpoint-format weights in buckets."""
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):

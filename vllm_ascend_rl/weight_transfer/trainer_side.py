@@ -28,6 +28,7 @@ from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_byt
 from vllm_ascend_rl.weight_transfer.channel import STALE_HANDSHAKE, ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 from vllm_ascend_rl.weight_transfer.engine_base import plan_for
+from vllm_ascend_rl.weight_transfer.probe import TrainerTransportProbe
 
 logger = get_logger(__name__)
 
@@ -178,7 +179,7 @@ class Progress:
         return time.perf_counter() - self.start
 
 
-class CheckpointTrainer(TrainerWeightTransferEngine):
+class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
     """Trainer-side template shared by the HCCL and NPU-IPC engines.
 
     ``send_weights`` drives ``start_weight_update``, ``update_weights`` (in a daemon thread,

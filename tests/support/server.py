@@ -22,7 +22,7 @@ from pathlib import Path
 
 import requests
 
-from vllm_ascend_rl.testing.profile import current_profile
+from tests.support.profile import current_profile
 
 
 def free_port(host: str = "127.0.0.1") -> int:

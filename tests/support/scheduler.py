@@ -23,7 +23,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_ascend_rl.testing.tiny_model import TinyModelSpec, build_tiny_model
+from tests.support.tiny_model import TinyModelSpec, build_tiny_model
 
 
 class SchedulerHarness:

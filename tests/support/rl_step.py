@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests.support.streams import StreamingCompletion, greedy_token_ids
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.testing.streams import StreamingCompletion, greedy_token_ids
 
 PROMPTS = (
     "The weather today is",

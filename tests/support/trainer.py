@@ -24,6 +24,11 @@ from collections.abc import Iterator
 from typing import Any
 
 REPLY = "@@trainer-reply@@ "
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _with_root(pythonpath: str | None) -> str:
+    return os.pathsep.join([REPO_ROOT, *([pythonpath] if pythonpath else [])])
 
 
 class TrainerError(RuntimeError):
@@ -31,7 +36,7 @@ class TrainerError(RuntimeError):
 
 
 class TrainerProcess:
-    """Client for ``python -m vllm_ascend_rl.testing.trainer`` running in a subprocess."""
+    """Client for ``python -m tests.support.trainer`` running in a subprocess."""
 
     def __init__(
         self,
@@ -43,11 +48,16 @@ class TrainerProcess:
         self.model_path = str(model_path)
         self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_ascend_rl.testing.trainer", self.model_path],
+            [sys.executable, "-m", "tests.support.trainer", self.model_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
-            env={**os.environ, **(env or {})},
+            # The kit is not installed: the child finds it from the repository root.
+            env={
+                **os.environ,
+                "PYTHONPATH": _with_root(os.environ.get("PYTHONPATH")),
+                **(env or {}),
+            },
             text=True,
             bufsize=1,
             start_new_session=True,
@@ -189,7 +199,7 @@ def _serve(model_path: str) -> None:
     )
 
     import vllm_ascend_rl
-    from vllm_ascend_rl.testing.tiny_model import load_hf_model
+    from tests.support.tiny_model import load_hf_model
 
     vllm_ascend_rl.register()
     # A trainer that embeds vLLM (an in-process engine, Ray) also runs every general plugin.

@@ -1,0 +1,175 @@
+"""Demo plumbing for the examples, not the point of them.
+
+With no ``--server-url`` the examples run on CPU by themselves: tiny random-weight checkpoints
+v1..v(steps+1), a vLLM server on v1 (the engine) and one on v2 (the reference, used only to
+validate, reloaded to each new checkpoint). The "training step" loads the next checkpoint, or,
+against your own server, perturbs the weights as a stand-in for an optimizer step. Everything
+else an RL loop does is in the example files themselves. The servers, the checkpoints and the
+stream client come from the repository's test kit (``tests/support``), which is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test kit, from the repo
+
+import torch
+
+from tests.support import (
+    PLUGIN_SCHEDULER,
+    StreamingCompletion,
+    TinyModelSpec,
+    VLLMServer,
+    build_model_pair,
+    build_tiny_model,
+    engine_args,
+    greedy_token_ids,
+    load_hf_model,
+    serving,
+)
+from vllm_ascend_rl.client import EngineControlClient
+
+__all__ = [  # what the examples take from the kit through here
+    "PLUGIN_SCHEDULER",
+    "StreamingCompletion",
+    "VLLMServer",
+    "build_model_pair",
+    "build_tiny_model",
+    "engine_args",
+]
+
+PROMPTS = (
+    "The weather today is",
+    "Once upon a time there was",
+    "In reinforcement learning, the policy",
+    "def fibonacci(n):",
+)
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--server-url", help="a running vLLM server started with this backend")
+    ap.add_argument("--reference-url", help="server to validate continuations against")
+    ap.add_argument("--model", help="HF checkpoint the trainer holds (with --server-url)")
+    ap.add_argument("--model-name", default="tiny", help="served model name")
+    ap.add_argument("--device", choices=["cpu", "npu"], help="trainer device (default: auto)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=400)
+    ap.add_argument("--min-tokens", type=int, default=8, help="per request, before the pause")
+    ap.add_argument("--master-address", default="127.0.0.1", help="trainer address (HCCL)")
+    args = ap.parse_args()
+    if args.device:
+        os.environ["VLLM_ASCEND_RL_DEVICE"] = args.device
+    return args
+
+
+class Policy:
+    """The trainer's model and its stand-in training step."""
+
+    def __init__(self, model: torch.nn.Module, checkpoints: list | None) -> None:
+        self.model, self.checkpoints = model, checkpoints
+
+    def train_step(self, k: int) -> None:
+        """Weights k -> k+1: load checkpoint k+1, or perturb every weight a little."""
+        with torch.no_grad():
+            if self.checkpoints:
+                from safetensors.torch import load_file
+
+                state = load_file(os.path.join(self.checkpoints[k + 1], "model.safetensors"))
+                self.model.load_state_dict(state, strict=True)
+            else:
+                gen = torch.Generator().manual_seed(k)
+                for p in self.model.parameters():
+                    p.add_(1e-3 * torch.randn(p.shape, generator=gen).to(p.dtype))
+
+
+@dataclass
+class Demo:
+    engine_url: str
+    policy: Policy
+    reference_url: str | None
+
+    def reference_for(self, k: int) -> str | None:
+        """The reference server on weights k+1 (None: validation is not possible)."""
+        if not (self.reference_url and self.policy.checkpoints):
+            return None
+        if k > 1:  # it starts on v2
+            ref = EngineControlClient(self.reference_url)
+            ref.reload_weights(str(self.policy.checkpoints[k + 1]))
+        return self.reference_url
+
+
+@contextmanager
+def demo(args: argparse.Namespace, backend: str, engine_flags: list[str] = ()) -> Iterator[Demo]:
+    """Your server (``--server-url``), or a CPU engine and reference built here."""
+    if args.server_url:
+        if not args.model:
+            raise SystemExit("--server-url needs --model (the checkpoint the trainer holds)")
+        model = load_hf_model(args.model)
+        if args.device == "npu":
+            model = model.to("npu")
+        yield Demo(args.server_url, Policy(model, None), args.reference_url)
+        return
+    checkpoints = [None] + [
+        build_tiny_model(TinyModelSpec(seed=k)) for k in range(1, args.steps + 2)
+    ]
+    print(f"checkpoints v1..v{args.steps + 1}: {checkpoints[1].parent}")
+    engine = VLLMServer(
+        checkpoints[1],
+        extra_args=[
+            *engine_args(),
+            "--scheduler-cls",
+            PLUGIN_SCHEDULER,
+            *engine_flags,
+            "--weight-transfer-config",
+            f'{{"backend": "{backend}"}}',
+        ],
+    )
+    reference = VLLMServer(checkpoints[2], extra_args=engine_args())
+    print(f"starting the engine (v1, {backend}) and a reference server (validation only) ...")
+    with serving(engine, reference):
+        yield Demo(engine.url, Policy(load_hf_model(checkpoints[1]), checkpoints), reference.url)
+
+
+def start_streams(url: str, max_tokens: int, model: str) -> list[StreamingCompletion]:
+    """One streaming completion per prompt, started; each counts the tokens it received."""
+    streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in PROMPTS]
+    for s in streams:
+        s.start()
+    return streams
+
+
+def wait_for_tokens(streams: list[StreamingCompletion], n: int, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while min(s.num_tokens for s in streams) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def settled_counts(streams: list[StreamingCompletion], quiet_s: float = 0.25) -> list[int]:
+    """Token counts once none changes for ``quiet_s``: after a pause, the tokens generated
+    before it are all that arrive."""
+    last = [s.num_tokens for s in streams]
+    while True:
+        time.sleep(quiet_s)
+        now = [s.num_tokens for s in streams]
+        if now == last:
+            return now
+        last = now
+
+
+def continuation_matches(
+    reference_url: str, stream: StreamingCompletion, split: int, model: str
+) -> bool:
+    """Greedy on the reference from prompt + the tokens before the pause must give exactly
+    the tokens after it."""
+    before, after = stream.token_ids[:split], stream.token_ids[split:]
+    prompt = stream.prompt_token_ids + before
+    return greedy_token_ids(reference_url, prompt, len(after), model=model) == after
