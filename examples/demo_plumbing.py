@@ -173,3 +173,39 @@ def continuation_matches(
     before, after = stream.token_ids[:split], stream.token_ids[split:]
     prompt = stream.prompt_token_ids + before
     return greedy_token_ids(reference_url, prompt, len(after), model=model) == after
+
+
+def print_header(pause_label: str) -> None:
+    print(
+        f"{'step':>4} {'weights':>9} {'before':>8} {pause_label:>9} {'sync ms':>8} "
+        f"{'GB/s':>6}  validation  (before: tokens per request at the pause)"
+    )
+
+
+def report(
+    k: int,
+    streams: list[StreamingCompletion],
+    split: list[int],
+    pause_ms: float,
+    result,
+    matches: list[bool] | None,
+    max_tokens: int,
+) -> bool:
+    """Print step ``k``'s row; True if every request ran to ``max_tokens`` and every
+    continuation matched (``matches=None``: nothing to validate against)."""
+    problems = [
+        f"request {i}: {s.finish_reason}, {s.num_tokens} tokens, {s.error}"
+        for i, s in enumerate(streams)
+        if not s.ok or s.num_tokens != max_tokens
+    ]
+    if matches is None:
+        verdict = "skipped (no reference)"
+    else:
+        verdict = f"{sum(matches)}/{len(matches)} continuations exact"
+        problems += [] if all(matches) else ["a continuation differs"]
+    print(
+        f"{k:>4} {f'v{k}->v{k + 1}':>9} {f'{min(split)}-{max(split)}':>8} {pause_ms:>9.1f} "
+        f"{result.seconds * 1e3:>8.1f} {result.gbps:>6.2f}  {'FAIL' if problems else 'PASS'} "
+        f"{verdict} {'; '.join(problems)}"
+    )
+    return not problems

@@ -26,6 +26,8 @@ from demo_plumbing import (
     continuation_matches,
     demo,
     parse_args,
+    print_header,
+    report,
     settled_counts,
     start_streams,
     wait_for_tokens,
@@ -60,10 +62,7 @@ def main() -> int:
             client=HTTPVLLMWeightSyncClient(setup.engine_url),
             source=ModuleSource(setup.policy.model),
         )
-        print(
-            f"{'step':>4} {'weights':>9} {'before':>8} {'pause ms':>9} {'sync ms':>8} "
-            f"{'GB/s':>6}  validation  (before: tokens per request at the pause)"
-        )
+        print_header("pause ms")
         all_ok = True
         for k in range(1, args.steps + 1):
             # -- generate with weights k while the trainer produces k+1 -------------------
@@ -84,28 +83,16 @@ def main() -> int:
                 s.join(600)
 
             # -- validate: each continuation, from its own prefix, on a fresh v(k+1) -------
-            problems = [
-                f"request {i}: {s.finish_reason}, {s.num_tokens} tokens, {s.error}"
-                for i, s in enumerate(streams)
-                if not s.ok or s.num_tokens != args.max_tokens
-            ]
             reference = setup.reference_for(k)
-            if reference is not None:
-                matches = [
+            matches = (
+                None
+                if reference is None
+                else [
                     continuation_matches(reference, s, n, args.model_name)
                     for s, n in zip(streams, split, strict=True)
                 ]
-                verdict = f"{sum(matches)}/{len(matches)} continuations exact"
-                problems += [] if all(matches) else ["a continuation differs"]
-            else:
-                verdict = "skipped (no reference)"
-            all_ok &= not problems
-            print(
-                f"{k:>4} {f'v{k}->v{k + 1}':>9} {f'{min(split)}-{max(split)}':>8} "
-                f"{pause_ms:>9.1f} {result.seconds * 1e3:>8.1f} "
-                f"{result.gbps:>6.2f}  {'FAIL' if problems else 'PASS'} {verdict} "
-                + "; ".join(problems)
             )
+            all_ok &= report(k, streams, split, pause_ms, result, matches, args.max_tokens)
         trainer.shutdown()
     print("all steps validated" if all_ok else "VALIDATION FAILED")
     return 0 if all_ok else 1

@@ -160,6 +160,8 @@ class Trainer:
         import vllm_ascend_rl
 
         vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
+        if device == "npu":
+            import torch_npu  # noqa: F401  (registers the "npu" device with torch)
         self.model = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.bfloat16)
         self.model.to(device)
         self.syncs: list = []
@@ -224,7 +226,9 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
 
     def in_bundle(i: int) -> dict:
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-        return {"num_cpus": 1, "scheduling_strategy": strategy}
+        # An actor gets the bundle's NPU (Ray sets ASCEND_RT_VISIBLE_DEVICES) only if it asks.
+        npu = {"resources": {"NPU": 1}} if "NPU" in bundle else {}
+        return {"num_cpus": 1, "scheduling_strategy": strategy, **npu}
 
     device = "cpu" if args.device == "cpu" else "npu"
     trainer = Trainer.options(**in_bundle(0)).remote(v2, device)

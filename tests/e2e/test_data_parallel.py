@@ -16,15 +16,15 @@ import pytest
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from tests.support import (
-    PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
     build_model_pair,
     engine_args,
     greedy_token_ids,
+    rl_engine_args,
     serving,
 )
-from tests.support.profile import current_profile, trainer_env
+from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.trainer import TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
@@ -39,17 +39,7 @@ def servers(tmp_path_factory):
     engine = VLLMServer(
         v1,
         log_path=logs / "engine-dp2.log",
-        extra_args=[
-            *engine_args(),
-            "--data-parallel-size",
-            "2",
-            "--worker-cls",
-            current_profile().sleepable_worker,
-            "--scheduler-cls",
-            PLUGIN_SCHEDULER,
-            "--weight-transfer-config",
-            '{"backend": "ascend_rl_hccl"}',
-        ],
+        extra_args=[*rl_engine_args("ascend_rl_hccl", sleepable=True), "--data-parallel-size", "2"],
     )
     reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
     with serving(engine, reference):

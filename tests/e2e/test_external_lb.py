@@ -14,23 +14,23 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import requests
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from tests.support import (
-    PLUGIN_SCHEDULER,
     StreamingCompletion,
     VLLMServer,
     build_model_pair,
-    engine_args,
     free_port,
     greedy_token_ids,
+    rl_engine_args,
     serving,
 )
 from tests.support.dead_engine import kill_mid_sync
-from tests.support.profile import current_profile, trainer_env
+from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.router import running_router
 from tests.support.trainer import TrainerProcess
@@ -58,15 +58,7 @@ def engines(models, tmp_path_factory) -> Iterator[tuple[VLLMServer, VLLMServer]]
             # One core each, as two engines would each have their own device. Sharing both
             # cores, one engine's spinning OpenMP threads starve the other's decode.
             env={"VLLM_CPU_OMP_THREADS_BIND": core},
-            extra_args=[
-                *engine_args(),
-                "--worker-cls",
-                current_profile().sleepable_worker,
-                "--scheduler-cls",
-                PLUGIN_SCHEDULER,
-                "--weight-transfer-config",
-                '{"backend": "ascend_rl_hccl"}',
-            ],
+            extra_args=rl_engine_args("ascend_rl_hccl", sleepable=True),
         )
         for name, core in (("a", "0"), ("b", "1"))
     )
@@ -182,22 +174,28 @@ def test_engine_down_before_pause_resumes_the_engines_that_paused(engines, ctl, 
     assert greedy_token_ids(a.url, PROBE, 16) == v1_tokens
 
 
+@contextmanager
+def hung(engine: VLLMServer) -> Iterator[None]:
+    """The engine's API server stops answering (SIGSTOP), then comes back. A pause it
+    accepted while hung lands late: settling that engine is its caller's business, done here."""
+    os.kill(engine.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(engine.proc.pid, signal.SIGCONT)
+    time.sleep(1)
+    EngineControlClient(engine.url).resume()
+    assert not is_paused(engine)
+
+
 def test_engine_hung_during_pause_resumes_the_engines_that_paused(engines, ctl, v1_tokens):
     a, b = engines
-    os.kill(b.proc.pid, signal.SIGSTOP)  # b's API server stops answering mid-call
-    try:
-        with pytest.raises(FanOutError) as e:
-            EngineControlClient([a.url, b.url], timeout_s=3).pause("keep")
-        assert set(e.value.failures) == {b.url}, e.value
-        assert "timed out" in str(e.value.failures[b.url]).lower()
-        assert e.value.undone == {a.url: None}
-        assert not is_paused(a)
-    finally:
-        os.kill(b.proc.pid, signal.SIGCONT)
-    # b's pause, accepted while it hung, lands late: its state is b's caller's to settle.
-    time.sleep(1)
-    EngineControlClient(b.url).resume()
-    assert not is_paused(b)
+    with hung(b), pytest.raises(FanOutError) as e:
+        EngineControlClient([a.url, b.url], timeout_s=3).pause("keep")
+    assert set(e.value.failures) == {b.url}, e.value
+    assert "timed out" in str(e.value.failures[b.url]).lower()
+    assert e.value.undone == {a.url: None}
+    assert not is_paused(a)
     assert greedy_token_ids(b.url, PROBE, 16) == v1_tokens
 
 
@@ -243,17 +241,10 @@ def test_router_with_an_engine_down_or_hung_pauses_none(engines, ctl):
         r = requests.post(url + "/pause", params={"mode": "keep"}, timeout=60)
         assert r.status_code == 502 and "unreachable" in r.text, r.text
         assert not is_paused(a)
-    os.kill(b.proc.pid, signal.SIGSTOP)
-    try:
-        with running_router([a.url, b.url], timeout_s=3) as url:
-            r = requests.post(url + "/pause", params={"mode": "keep"}, timeout=60)
-            assert r.status_code == 502 and b.url in r.text, r.text
-            assert not is_paused(a)
-    finally:
-        os.kill(b.proc.pid, signal.SIGCONT)
-    time.sleep(1)
-    EngineControlClient(b.url).resume()
-    assert not is_paused(b)
+    with hung(b), running_router([a.url, b.url], timeout_s=3) as url:
+        r = requests.post(url + "/pause", params={"mode": "keep"}, timeout=60)
+        assert r.status_code == 502 and b.url in r.text, r.text
+        assert not is_paused(a)
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,14 @@ from tests.e2e.test_pause_resume import (  # the same matrix, run on this module
 )
 from tests.e2e.weight_sync_cases import init_trainer
 from tests.support import (
-    PLUGIN_SCHEDULER,
     TinyModelSpec,
     VLLMServer,
     build_model_pair,
-    engine_args,
     greedy_token_ids,
+    rl_engine_args,
     serving,
 )
-from tests.support.profile import current_profile, trainer_env
+from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.tiny_model import parameter_shapes
 from tests.support.trainer import TrainerProcess
@@ -54,17 +53,9 @@ def server(models, tmp_path_factory):
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
         kv_cache_gib=KV_GIB,
         extra_args=[
-            *engine_args(),
-            "--tensor-parallel-size",
-            "2",
-            "--enable-prefix-caching",
-            "--enable-prompt-tokens-details",
-            "--worker-cls",
-            current_profile().sleepable_worker,
-            "--scheduler-cls",
-            PLUGIN_SCHEDULER,
-            "--weight-transfer-config",
-            '{"backend": "ascend_rl_hccl"}',
+            *rl_engine_args("ascend_rl_hccl", sleepable=True),
+            *("--tensor-parallel-size", "2"),
+            *("--enable-prefix-caching", "--enable-prompt-tokens-details"),  # pause tests
         ],
     )
     srv.scheduler_kind = "plugin"  # for the shared pause tests

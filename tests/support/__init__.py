@@ -30,6 +30,19 @@ def engine_args() -> list[str]:
     return [] if os.environ.get("VLLM_ASCEND_RL_COMPILE") == "1" else ["--enforce-eager"]
 
 
+def rl_engine_args(backend: str | None = "ascend_rl_hccl", *, sleepable: bool = False) -> list[str]:
+    """``engine_args()`` for an RL engine: the plugin scheduler, a weight-transfer backend
+    (``None``: none) and, with ``sleepable``, the device's sleepable worker."""
+    from tests.support.profile import current_profile
+
+    args = [*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
+    if sleepable:
+        args += ["--worker-cls", current_profile().sleepable_worker]
+    if backend:
+        args += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
+    return args
+
+
 __all__ = [
     "PLUGIN_SCHEDULER",
     "ServerStartError",
@@ -44,5 +57,6 @@ __all__ = [
     "free_port",
     "greedy_token_ids",
     "load_hf_model",
+    "rl_engine_args",
     "serving",
 ]
