@@ -33,6 +33,7 @@ from tests.support import (
     engine_args,
     greedy_token_ids,
     load_hf_model,
+    rl_engine_args,
     serving,
 )
 from vllm_ascend_rl.client import EngineControlClient
@@ -124,14 +125,7 @@ def demo(args: argparse.Namespace, backend: str, engine_flags: list[str] = ()) -
     print(f"checkpoints v1..v{args.steps + 1}: {checkpoints[1].parent}")
     engine = VLLMServer(
         checkpoints[1],
-        extra_args=[
-            *engine_args(),
-            "--scheduler-cls",
-            PLUGIN_SCHEDULER,
-            *engine_flags,
-            "--weight-transfer-config",
-            f'{{"backend": "{backend}"}}',
-        ],
+        extra_args=[*rl_engine_args(backend), *engine_flags],
     )
     reference = VLLMServer(checkpoints[2], extra_args=engine_args())
     print(f"starting the engine (v1, {backend}) and a reference server (validation only) ...")

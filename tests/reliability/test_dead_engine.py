@@ -13,13 +13,7 @@ import time
 import pytest
 
 from tests.e2e.weight_sync_cases import SMALL_BUCKET, init_trainer
-from tests.support import (
-    PLUGIN_SCHEDULER,
-    VLLMServer,
-    build_model_pair,
-    engine_args,
-    serving,
-)
+from tests.support import VLLMServer, build_model_pair, rl_engine_args, serving
 from tests.support.dead_engine import kill_mid_sync
 from tests.support.profile import trainer_env
 from tests.support.trainer import TrainerProcess
@@ -42,13 +36,7 @@ def engines(models, tmp_path_factory):
         backend: VLLMServer(
             models[0],
             log_path=logs / f"{backend}.log",
-            extra_args=[
-                *engine_args(),
-                "--scheduler-cls",
-                PLUGIN_SCHEDULER,
-                "--weight-transfer-config",
-                f'{{"backend": "{backend}"}}',
-            ],
+            extra_args=rl_engine_args(backend),
         )
         for backend in BACKENDS
     }
