@@ -85,7 +85,9 @@ def swap_mid_generation(
     waiting for ``min_tokens`` on the client may be too late. The pause therefore probes:
     after ``before_pause()``, pause and look at the settled counts; too few tokens → resume
     and pause again a little later (a pause/resume without a sync is harmless); a request
-    already finished → resume and retry the round with a shorter first probe.
+    already finished → resume and retry the round with a shorter first probe. With several
+    engines, one that already has ``min_tokens`` in every stream stays paused while the others
+    catch up (engines on separate cores can run at very different speeds on a busy host).
     """
     urls = [url] if isinstance(url, str) else list(url)
     ctl = EngineControlClient(urls, timeout_s=timeout_s)
@@ -97,6 +99,7 @@ def swap_mid_generation(
         warm.start()
     for warm in warms:
         warm.join(timeout_s)
+    served = {u: [i for i in range(len(prompts)) if urls[i % len(urls)] == u] for u in urls}
     probe_s = 0.05
     for attempt in range(attempts):
         streams = [
@@ -120,7 +123,10 @@ def swap_mid_generation(
             split = _settle(streams)
             if min(split) >= min_tokens or max(split) >= max_tokens:
                 break
-            ctl.resume()
+            # Only the engines still short of ``min_tokens`` resume: one that is ahead stays
+            # paused, so it cannot finish its requests while a slower one catches up.
+            lagging = [u for u in urls if any(split[i] < min_tokens for i in served[u])]
+            EngineControlClient(lagging, timeout_s=timeout_s).resume()
             probe_s = min(2 * probe_s, 1.0)
         if max(split) >= max_tokens and attempt + 1 < attempts:
             ctl.resume()  # too late: a request already finished; retry, probing sooner
