@@ -216,6 +216,21 @@ class EngineControlClient:
         out = self._fan_out("GET", "/is_sleeping")
         return None if out is None else self._agreed((o["is_sleeping"] for o in out), "is_sleeping")
 
+    # -- weight checks (vLLM >= 0.32's /weight_checker) ---------------------------------
+    def weight_checksums(self) -> dict[str, str] | None:
+        """SHA-256 of every weight tensor, keyed ``dp0:pp0:pcp0:tp0:<parameter>``, as the
+        engines' workers hold them. Engines holding different weights disagree."""
+        out = self._fan_out("POST", "/weight_checker", json={"action": "checksum"})
+        return None if out is None else self._agreed((o["checksums"] for o in out), "weights")
+
+    def weight_mismatches(self, baseline: dict[str, str]) -> list[str]:
+        """The tensors whose digest differs from ``baseline`` (e.g. a fresh engine's
+        :meth:`weight_checksums` on the same version) on any engine; empty when all match."""
+        out = self._fan_out(
+            "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
+        )
+        return sorted({name for o in out or () for name in o["mismatches"]})
+
     # -- misc ----------------------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         self._fan_out(

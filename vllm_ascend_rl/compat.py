@@ -9,6 +9,10 @@ What differs, and how each is handled:
 - ``SleepModeBackend.discard`` and the routes that reach it (``/release_kv_cache_memory``),
   ``/shutdown_weight_transfer_engine`` and ``/weight_checker``: 0.32 only. Our backend and
   workers define ``discard`` either way; :func:`has_route` lets tests say what is missing.
+- The worker methods behind ``/weight_checker`` (``compute_weight_checksums``,
+  ``reset_weights``): 0.32's GPU ``Worker`` has them (the CPU worker inherits them),
+  vllm-ascend's ``NPUWorker`` (a ``WorkerBase``) does not. :func:`weight_checker_methods` hands
+  vLLM's own to our NPU worker where they exist.
 - vLLM's ``stateless_init_torch_distributed_process_group`` gained ``timeout`` after 0.27.1:
   we no longer call it (:mod:`vllm_ascend_rl.device.group` builds the group itself).
 - ``/inference/v1/generate`` (token in, token out, with weight-version spans): always served
@@ -99,3 +103,21 @@ def has_weight_version_spans() -> bool:
     from vllm.entrypoints.scale_out.token_in_token_out import protocol
 
     return hasattr(protocol, "WeightVersionSpan")
+
+
+WEIGHT_CHECKER_METHODS = ("compute_weight_checksums", "_weight_checksum_prefix", "reset_weights")
+
+
+def weight_checker_methods(base: type) -> dict[str, Any]:
+    """vLLM's worker methods behind ``/weight_checker`` that ``base`` lacks (none before 0.32).
+
+    They only read the parallel ranks and ``model_runner.get_model()``, which every worker
+    has, so they are borrowed from vLLM's GPU ``Worker`` rather than rewritten.
+    """
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return {
+        name: vars(Worker)[name]
+        for name in WEIGHT_CHECKER_METHODS
+        if name in vars(Worker) and not hasattr(base, name)
+    }

@@ -7,6 +7,7 @@ scheduler, one reference server on v2 (validation only), one trainer process hol
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from typing import ClassVar
@@ -25,8 +26,10 @@ from tests.support import (
 )
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.compat import has_route
 
 PROBE = "Weights under test:"
 UNKNOWN = "model.norm.weight_unknown"
@@ -54,7 +57,13 @@ BAD_METADATA = {
         "'model.norm.weight': dtype float32",
     ),
     "int32": ({"dtype": "int32", "dtype_param": "lm_head.weight"}, "'lm_head.weight': dtype int32"),
+    "part_of_a_layer": (  # v is fused with q and k into one qkv_proj
+        {"freeze": ["model.layers.1.self_attn.v_proj."]},
+        "layer 'model.layers.1.self_attn.qkv_proj' would receive only part of its weights",
+    ),
 }
+FROZEN = ["model.embed_tokens.", "model.layers.0."]  # modules a partial update leaves out
+NO_BYTES = hashlib.sha256(b"").hexdigest()  # a tensor vLLM emptied (CPU prepacked linear)
 
 
 def staging_segments() -> set[str]:
@@ -184,6 +193,98 @@ class WeightSyncCases(WeightSyncServers):
         self.assert_alive_and_intact(engine, v1_probe)
         trainer.send(weight_version="v2")  # a refusal leaves the connection usable
         assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
+    def test_partial_update_keeps_the_layers_it_leaves_out(
+        self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path
+    ):
+        """Frozen modules are not sent: they keep v1, the rest becomes v2, exactly what
+        vLLM's own loader makes of a checkpoint mixed that way. validation='complete'
+        refuses the same update, weights intact."""
+        self.init(trainer, engine, validation="complete")
+        with pytest.raises(TrainerError, match=r"'model\.embed_tokens\.weight' is missing"):
+            trainer.send(freeze=FROZEN)
+        self.assert_alive_and_intact(engine, v1_probe)
+        self.init(trainer, engine)  # validation="partial", the default
+        result = trainer.send(weight_version="v2-partial", freeze=FROZEN)
+        assert result["num_tensors"] < len(parameter_shapes(TinyModelSpec()))
+        partial = greedy_token_ids(engine.url, PROBE, 24)
+        assert partial not in (v1_probe, greedy_token_ids(reference.url, PROBE, 24))
+        mixed = mixed_checkpoint(models[0], models[1], FROZEN, tmp_path / "mixed")
+        EngineControlClient(engine.url).reload_weights(str(mixed))  # vLLM's own loader
+        assert greedy_token_ids(engine.url, PROBE, 24) == partial
+
+    def test_delta_updates_send_what_changed_and_land_exactly(
+        self, engine, reference, trainer, on_v1, models, tmp_path
+    ):
+        """delta=True: the first sync sends every tensor whole (the base); after a step that
+        moves ~5% of the elements only those travel, and the engine holds exactly what vLLM's
+        own loader makes of the trainer's checkpoint. Weights changed behind the trainer's
+        back (a reload) make the engine refuse the next delta, and the trainer sends whole."""
+        self.init(trainer, engine, delta=True)
+        whole = trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
+        trainer.step(share=0.05, seed=7)
+        delta = trainer.send(weight_version="v3")
+        assert delta["bytes"] < 0.3 * whole["bytes"], (delta, whole)
+        v3 = greedy_token_ids(engine.url, PROBE, 24)
+        ctl = EngineControlClient(engine.url)
+        ctl.reload_weights(trainer.save(tmp_path / "v3"))  # vLLM's own loader: the reference
+        assert greedy_token_ids(engine.url, PROBE, 24) == v3
+        ctl.reload_weights(str(models[0]))  # behind the trainer's back
+        trainer.step(share=0.05, seed=8)
+        again = trainer.send(weight_version="v4")  # refused as a delta, sent whole
+        assert again["bytes"] == whole["bytes"]
+        v4 = greedy_token_ids(engine.url, PROBE, 24)
+        ctl.reload_weights(trainer.save(tmp_path / "v4"))
+        assert greedy_token_ids(engine.url, PROBE, 24) == v4 != v3
+
+    def test_a_delta_on_another_base_is_refused_and_weights_stay(
+        self, engine, trainer, on_v1, v1_probe
+    ):
+        """An update whose sparse tensors refer to a base the engine does not hold is refused
+        before any byte moves; the engine keeps its weights and the trainer's connection."""
+        ctl = EngineControlClient(engine.url)
+        ctl.pause(mode="abort")
+        self.init(trainer, engine, delta=True, timeout_s=60)
+        forged = {
+            "names": ["model.norm.weight"],
+            "dtype_names": ["bfloat16"],
+            "shapes": [[128]],
+            "nnz": [1],
+            "base_version": "not-this-one",
+        }
+        assert requests.post(engine.url + "/start_weight_update", timeout=60).ok
+        r = requests.post(engine.url + "/update_weights", json={"update_info": forged}, timeout=120)
+        assert r.status_code >= 400 and "refer to base 'not-this-one'" in r.text, r.text
+        ctl.resume()
+        self.assert_alive_and_intact(engine, v1_probe)
+        if self.backend == "ascend_rl_hccl" and os.environ.get("VLLM_ASCEND_RL_DEVICE") == "npu":
+            self.init(trainer, engine, delta=True)  # an HCCL refusal nobody joins closes it
+        trainer.send(weight_version="v2")
+        assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
+    def test_weight_checker_tells_a_full_sync_from_a_wrong_one(
+        self, engine, reference, trainer, on_v1
+    ):
+        """vLLM's /weight_checker on our workers: after a sync the digests equal a fresh
+        engine's on the same weights; after a deliberately wrong sync (the embedding and layer
+        1's MLP left on v1) the tensors left behind differ. vLLM's CPU linear layers drop their
+        weight tensor once it is prepacked (layers/utils.py, remove_weight): their digest is
+        that of no bytes, so on CPU only the embedding of those shows."""
+        if not has_route("/weight_checker"):
+            pytest.skip("this vLLM has no /weight_checker (0.32 and later)")
+        ctl, fresh = EngineControlClient(engine.url), EngineControlClient(reference.url)
+        v2 = fresh.weight_checksums()
+        assert v2 and all(k.startswith("dp0:pp0:pcp0:tp0:") for k in v2)
+        frozen = ["model.embed_tokens.", "model.layers.1.mlp."]
+        self.init(trainer, engine)
+        trainer.send(weight_version="v2-wrong", freeze=frozen)
+        visible = sorted(k for k in v2 if any(f in k for f in frozen) and v2[k] != NO_BYTES)
+        assert "dp0:pp0:pcp0:tp0:model.embed_tokens.weight" in visible
+        assert ctl.weight_mismatches(v2) == visible
+        trainer.send(weight_version="v2")
+        assert ctl.weight_mismatches(v2) == []
+        assert ctl.weight_checksums() == v2
 
     def test_trainer_dying_mid_transfer(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env

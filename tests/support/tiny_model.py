@@ -14,6 +14,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -244,3 +245,20 @@ def load_hf_model(path: Path | str):
         for p in model.parameters():
             p.data = p.data.clone()
     return model
+
+
+def mixed_checkpoint(base: Path, new: Path, keep: Sequence[str], target: Path) -> Path:
+    """A copy of ``new`` whose tensors named with a prefix in ``keep`` come from ``base``:
+    what an engine on ``base`` holds after a partial update from ``new`` that froze ``keep``."""
+    from safetensors.torch import load_file, save_file
+
+    old, weights = (
+        load_file(str(base / "model.safetensors")),
+        load_file(str(new / "model.safetensors")),
+    )
+    for name in weights:
+        if name.startswith(tuple(keep)):
+            weights[name] = old[name]
+    shutil.copytree(new, target)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    return target

@@ -119,6 +119,15 @@ class TrainerProcess:
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))
 
+    def step(self, share: float, seed: int = 0) -> None:
+        """A training step's worth of change: about ``share`` of every tensor's elements move,
+        the rest stay bit-identical (as most bf16 elements do after one RL step)."""
+        self.request("step", share=share, seed=seed)
+
+    def save(self, target: str | os.PathLike) -> str:
+        """Write the weights the trainer holds as a checkpoint (a reference for tests)."""
+        return self.request("save", path=str(target))
+
     def wait_exit(self, timeout_s: float = 60) -> int:
         return self.proc.wait(timeout_s)
 
@@ -147,7 +156,8 @@ class TrainerProcess:
 
 
 def _faulty_source(model, faults: dict):
-    """A ModuleSource that lies about or breaks its weights, for error-path tests."""
+    """A ModuleSource that lies about or breaks its weights, for error-path tests, or
+    leaves the modules named by a prefix in ``freeze`` out."""
     import torch
     from vllm.distributed.weight_transfer import ModuleSource
     from vllm.distributed.weight_transfer.base import ParamMeta
@@ -155,6 +165,8 @@ def _faulty_source(model, faults: dict):
     class FaultySource(ModuleSource):
         def _pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in super().__iter__():
+                if name.startswith(tuple(faults.get("freeze", ()))):
+                    continue  # a frozen module: not sent (a partial update)
                 if faults.get("rename") == name:
                     name = name + "_unknown"
                 if faults.get("grow") == name:
@@ -243,6 +255,22 @@ def _serve(model_path: str) -> None:
                         load_file(os.path.join(msg["path"], "model.safetensors")), strict=True
                     )
                 reply(True)
+            elif cmd == "step":
+                gen = torch.Generator().manual_seed(msg["seed"])
+                with torch.no_grad():
+                    for p in model.parameters():
+                        moved = (torch.rand(p.shape, generator=gen) < msg["share"]).to(p.device)
+                        p.add_(torch.where(moved, p.abs().clamp_min(1e-2) / 2, 0))
+                reply(True)
+            elif cmd == "save":
+                import shutil
+
+                from safetensors.torch import save_file
+
+                shutil.copytree(model_path, msg["path"])
+                state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+                save_file(state, os.path.join(msg["path"], "model.safetensors"), {"format": "pt"})
+                reply(True, msg["path"])
             elif cmd == "init":
                 if msg["url"] in engines:
                     engines.pop(msg["url"]).shutdown()

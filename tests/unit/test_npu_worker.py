@@ -160,3 +160,30 @@ def test_wake_up_keeps_vllm_ascends_nz_refusal(worker, monkeypatch):
         with pytest.raises(ValueError, match="weight_nz_mode=0"):
             worker.wake_up(None)
     worker.wake_up(None)
+
+
+def test_answers_the_weight_checker_with_vllms_own_digests(worker, monkeypatch):
+    """/weight_checker (vLLM >= 0.32) calls compute_weight_checksums on every worker;
+    vllm-ascend's NPUWorker has none, so ours borrows vLLM's. The parallel groups are
+    MOCKED (no distributed state in a unit test); the digests are vLLM's, of the real model."""
+    try:
+        from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
+    except ImportError:  # vLLM 0.27.1: no /weight_checker, nothing to borrow
+        assert not hasattr(worker, "compute_weight_checksums")
+        return
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    rank = types.SimpleNamespace(rank_in_group=0)
+    for group in ("get_pp_group", "get_pcp_group", "get_tp_group"):
+        monkeypatch.setattr(gpu_worker, group, lambda: rank)
+    worker.parallel_config = types.SimpleNamespace(data_parallel_index=1)
+    before = worker.compute_weight_checksums()
+    assert before == {
+        f"dp1:pp0:pcp0:tp0:{k}": v for k, v in compute_tensor_digests(worker.model).items()
+    }
+    with torch.no_grad():
+        worker.model.weight[0, 0] += 1
+    after = worker.compute_weight_checksums()
+    assert after.keys() == before.keys() and after != before
+    worker.reset_weights()
+    assert not worker.model.weight.any()

@@ -12,6 +12,7 @@ from vllm_ascend_rl.weight_transfer.validation import (
     WeightUpdateRefused,
     expected_params,
     parse_specs,
+    serving_layer,
     validate_update,
 )
 
@@ -66,11 +67,68 @@ def test_mismatch_names_the_first_offending_parameter(expected, good_specs, chan
     assert (change.get("name") or target) in str(e.value)
 
 
-def test_missing_and_duplicate_parameters_are_refused(expected, good_specs):
+QWEN2_PACKED = {
+    "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+    "gate_up_proj": ["gate_proj", "up_proj"],
+}
+
+
+def test_complete_validation_refuses_any_missing_tensor_and_both_refuse_duplicates(
+    expected, good_specs
+):
+    without_head = [s for s in good_specs if s.name != "lm_head.weight"]
     with pytest.raises(WeightUpdateRefused, match=r"'lm_head\.weight' is missing"):
-        validate_update([s for s in good_specs if s.name != "lm_head.weight"], expected)
-    with pytest.raises(WeightUpdateRefused, match="sent twice"):
-        validate_update([*good_specs, good_specs[0]], expected)
+        validate_update(without_head, expected, "complete")
+    validate_update(without_head, expected, "partial")  # a whole layer may stay out
+    for validation in ("partial", "complete"):
+        with pytest.raises(WeightUpdateRefused, match="sent twice"):
+            validate_update([*good_specs, good_specs[0]], expected, validation)
+
+
+def test_partial_validation_lets_whole_layers_stay_out(expected, good_specs):
+    """Frozen modules: the embedding, layer 0 entirely, and layer 1's MLP are not sent."""
+    frozen = ("model.embed_tokens.", "model.layers.0.", "model.layers.1.mlp.")
+    sent = [s for s in good_specs if not s.name.startswith(frozen)]
+    assert 0 < len(sent) < len(good_specs)
+    validate_update(sent, expected, "partial", QWEN2_PACKED)
+    validate_update(sent[:1], expected, "partial", QWEN2_PACKED)
+
+
+@pytest.mark.parametrize(
+    "dropped, layer",
+    [
+        ("model.layers.1.self_attn.v_proj.weight", "model.layers.1.self_attn.qkv_proj"),
+        ("model.layers.1.self_attn.k_proj.bias", "model.layers.1.self_attn.qkv_proj"),
+        ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.gate_up_proj"),
+    ],
+)
+def test_partial_validation_refuses_part_of_a_fused_layer(expected, good_specs, dropped, layer):
+    """q/k/v load into one qkv_proj (gate/up into gate_up_proj): rebuilt only when whole."""
+    with pytest.raises(WeightUpdateRefused) as e:
+        validate_update(
+            [s for s in good_specs if s.name != dropped], expected, "partial", QWEN2_PACKED
+        )
+    assert f"layer {layer!r}" in str(e.value) and dropped in str(e.value)
+    assert "never part of one" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name, layer",
+    [
+        ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.qkv_proj"),
+        ("model.layers.3.self_attn.o_proj.weight", "model.layers.3.self_attn.o_proj"),
+        ("model.layers.3.mlp.experts.7.gate_proj.weight", "model.layers.3.mlp.experts"),
+        ("model.layers.3.mlp.experts.w13_weight", "model.layers.3.mlp.experts"),
+        (
+            "model.layers.3.mlp.shared_expert.up_proj.weight",
+            "model.layers.3.mlp.shared_expert.gate_up_proj",
+        ),
+        ("model.norm.weight", "model.norm"),
+        ("lm_head.weight", "lm_head"),
+    ],
+)
+def test_serving_layer_follows_vllm_fusion(name, layer):
+    assert serving_layer(name, QWEN2_PACKED) == layer
 
 
 def test_without_known_parameters_only_form_is_checked(good_specs):

@@ -13,31 +13,24 @@ A transport implements ``_connected``, ``_agree``, ``_buckets`` and ``_disconnec
 
 from __future__ import annotations
 
-import math
 from abc import abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferUpdateInfo,
-)
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.core.hold import HoldPublisher, hold_supported
 from vllm_ascend_rl.device import Device, device_for
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import (
-    Bucket,
-    TensorSpec,
-    dtype_name,
-    plan_buckets,
-    total_bytes,
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
+from vllm_ascend_rl.weight_transfer.delta import (
+    DeltaRefused,
+    EngineBase,
+    fingerprint,
+    wire_specs,
 )
-from vllm_ascend_rl.weight_transfer.channel import signature
-from vllm_ascend_rl.weight_transfer.fields import FieldError, check_field_types
 from vllm_ascend_rl.weight_transfer.probe import EngineTransportProbe
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
@@ -47,20 +40,9 @@ from vllm_ascend_rl.weight_transfer.validation import (
     parse_specs,
     validate_update,
 )
+from vllm_ascend_rl.weight_transfer.wire import plan_for
 
 logger = get_logger(__name__)
-
-PROTOCOL_VERSION = 2  # 2: NPU-IPC rings per chip ({chip: handles}, {chip: doorbell})
-DEFAULT_BUCKET_BYTES = 256 << 20
-DEFAULT_NUM_BUFFERS = 2
-DEFAULT_TIMEOUT_S = 120.0
-MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
-MAX_NUM_BUFFERS = 64
-MAX_TIMEOUT_S = 24 * 3600.0
-# What a failed update leaves: "restore" puts the old weights back from a host copy kept for
-# the update's duration; "hold" keeps no copy and holds generation until an update completes.
-ON_FAILURE = ("restore", "hold")
-DEFAULT_ON_FAILURE = "restore"
 
 # vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
 # worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
@@ -71,72 +53,6 @@ LEGACY_WORKER = (
     "vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align weight transfer "
     "lifecycle with vLLM (#12876)'). No weight was loaded."
 )
-
-
-def check_wire(info) -> None:
-    """Validate an init info's fields (ValueError naming the field): types first, then the
-    wire parameters, which are agreed once, at init."""
-    check_field_types(info)
-    bucket, buffers, timeout_s = (
-        info.packed_buffer_size_bytes,
-        info.packed_num_buffers,
-        info.timeout_s,
-    )
-    if not 0 < bucket <= MAX_BUCKET_BYTES:
-        raise ValueError(
-            f"packed_buffer_size_bytes must be in 1..{MAX_BUCKET_BYTES}, got {bucket!r}"
-        )
-    if not 1 <= buffers <= MAX_NUM_BUFFERS:
-        raise ValueError(f"packed_num_buffers must be in 1..{MAX_NUM_BUFFERS}, got {buffers!r}")
-    if info.on_failure not in ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {list(ON_FAILURE)}, got {info.on_failure!r}")
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}] s, got {timeout_s!r}")
-
-
-def wire_signature(info) -> int:
-    return signature(
-        PROTOCOL_VERSION, info.packed, info.packed_buffer_size_bytes, info.packed_num_buffers
-    )
-
-
-def plan_for(info, specs: list[TensorSpec], alone_bytes: int | None = None) -> list[Bucket]:
-    """The bucket plan both sides derive from the agreed wire parameters. Unpacked: one tensor
-    per bucket; packed: tensors share buckets, and one above ``alone_bytes`` goes alone."""
-    bucket_bytes = info.packed_buffer_size_bytes if info.packed else 1
-    return plan_buckets(specs, bucket_bytes, alone_bytes=alone_bytes)
-
-
-def update_signature(specs: list[TensorSpec]) -> int:
-    return signature([(s.name, dtype_name(s.dtype), s.shape) for s in specs])
-
-
-@dataclass
-class CheckpointUpdateInfo(WeightTransferUpdateInfo):
-    """One update's metadata, in the order the trainer sends the tensors."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    # The version being loaded (the trainer's send_weights(weight_version=...)), so that a
-    # failed update can say which version is partly loaded; finish_weight_update sets it.
-    weight_version: str | None = None
-
-    def __post_init__(self) -> None:
-        """Refuse inconsistent metadata at construction, as vLLM's own update infos do."""
-        try:
-            check_field_types(self)
-        except FieldError as e:
-            raise WeightUpdateRefused(str(e)) from None
-        parse_specs(self.names, self.dtype_names, self.shapes)
-
-    @classmethod
-    def fields_from_specs(cls, specs: list[TensorSpec]) -> dict:
-        return {
-            "names": [s.name for s in specs],
-            "dtype_names": [dtype_name(s.dtype) for s in specs],
-            "shapes": [list(s.shape) for s in specs],
-        }
 
 
 class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine):
@@ -159,6 +75,7 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         self._mixed = False  # on_failure=hold: a failed update left new and old layers
         self._loading: str | None = None  # the version update_weights is loading, if named
         self.hold = HoldPublisher(vllm_config, enabled=self.parallel_config.rank == 0)
+        self.base: EngineBase | None = None  # delta=True: the weights we hold, in host memory
 
     @property
     def worker_index(self) -> int:
@@ -217,6 +134,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
     def _after_init(self, init_info) -> None:
         """Record the agreed wire parameters; size the receive pool from them."""
         self.init_info = init_info
+        if init_info.delta and self.base is None:
+            self.base = EngineBase()
         self.pool.max_bytes = (
             init_info.packed_num_buffers + 2
         ) * init_info.packed_buffer_size_bytes
@@ -238,6 +157,7 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
                 f"arrive within timeout_s={timeout_s:.0f}s, it is abandoned",
                 lapses_after_s=timeout_s,
             )
+        self._check_base()
         self.reload.begin(self.model, self.model_config, keep_old=not self.holds)
         # No forward pass may run on half-loaded layers: one that starts while the update is
         # open (generation was not paused) first cancels the update, restoring the old weights.
@@ -257,6 +177,13 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
             return
         self._drop_guard()
         self.reload.finish(self.model_config)
+        if self.base is not None:
+            self.base.commit(self.model)
+            logger.info(
+                "delta base %s: %.1f MiB of host memory",
+                self.base.version,
+                self.base.nbytes / 2**20,
+            )
         self._mixed = False
         self.hold.release()
 
@@ -294,6 +221,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
     def _abort_update(self) -> str:
         """End the open update; return what the model holds now (for messages)."""
         self._drop_guard()
+        if self.base is not None:
+            self.base.rollback()
         restored, kept = self.reload.abort(self.model_config)
         if kept or self._mixed:
             self._mixed = True
@@ -348,9 +277,13 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         specs: list[TensorSpec] = []
         try:
             specs = parse_specs(update_info.names, update_info.dtype_names, update_info.shapes)
-            validate_update(specs, self._expected_params())
-        except WeightUpdateRefused as e:
-            refusal = e
+            packed_modules = getattr(self.model, "packed_modules_mapping", None)
+            validate_update(
+                specs, self._expected_params(), self.init_info.validation, packed_modules
+            )
+            specs = self._delta_wire(specs, update_info)
+        except (WeightUpdateRefused, DeltaRefused) as e:
+            refusal = e if isinstance(e, WeightUpdateRefused) else WeightUpdateRefused(str(e))
         try:
             reason = self._agree(refusal, specs, update_info)
         except Exception as e:
@@ -365,6 +298,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
             self._abort_update()  # nothing loaded: the old weights stay
             raise WeightUpdateRefused(f"refused weight update, model unchanged: {reason}")
         self._loading = update_info.weight_version
+        if self.base is not None:
+            self.base.begin(update_info.delta_version or update_info.weight_version)
         if self.holds:  # weights are about to land: from now on the hold never lapses
             self.hold.hold("a weight update is in progress (on_failure=hold)")
         received = 0
@@ -390,8 +325,33 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
 
         from vllm_ascend_rl.weight_transfer.buckets import unpack_views
 
+        views = unpack_views(buf, bucket)
         with disable_mtp_completeness_check():
-            self.model.load_weights(unpack_views(buf, bucket))
+            self.model.load_weights(views if self.base is None else self.base.stage(views))
+
+    def _check_base(self) -> None:
+        """Forget a delta base the model no longer matches (reload, sleep level 2)."""
+        base = self.base
+        if base is None or base.version is None:
+            return
+        if fingerprint(self.model) != base.model_fingerprint:
+            logger.warning(
+                "the weights changed since delta base %r: the next update must send every "
+                "tensor whole",
+                base.version,
+            )
+            base.drop()
+
+    def _delta_wire(self, specs: list[TensorSpec], update_info) -> list[TensorSpec]:
+        """The tensors on the wire: ``specs``, or their delta encoding (checked against
+        this engine's base before any byte moves)."""
+        nnz = update_info.nnz
+        if nnz is None:
+            return specs
+        if self.base is None:
+            raise DeltaRefused("this engine was initialized without delta=True")
+        self.base.check(specs, nnz, update_info.base_version)
+        return wire_specs(specs, nnz)
 
     def _expected_params(self):
         if not self._expected_loaded:

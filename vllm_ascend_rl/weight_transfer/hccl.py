@@ -45,24 +45,26 @@ from vllm_ascend_rl.weight_transfer.channel import (
     BroadcastChannel,
     ChannelError,
 )
-from vllm_ascend_rl.weight_transfer.engine_base import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DEFAULT_ON_FAILURE,
-    DEFAULT_TIMEOUT_S,
-    PROTOCOL_VERSION,
-    CheckpointEngine,
-    CheckpointUpdateInfo,
-    check_wire,
-    update_signature,
-    wire_signature,
-)
+from vllm_ascend_rl.weight_transfer.engine_base import CheckpointEngine
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     CheckpointTrainer,
     Progress,
     WeightSyncError,
     check_world_size,
+)
+from vllm_ascend_rl.weight_transfer.wire import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_NUM_BUFFERS,
+    DEFAULT_ON_FAILURE,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_VALIDATION,
+    PROTOCOL_VERSION,
+    CheckpointUpdateInfo,
+    check_wire,
+    engine_wire,
+    update_signature,
+    wire_signature,
 )
 
 logger = get_logger(__name__)
@@ -86,6 +88,8 @@ class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo):
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
+    delta: bool = False  # send only changed elements (a host copy on both sides): README
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -120,6 +124,8 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
+    delta: bool = False  # send only changed elements (a host copy on both sides): README
 
     def __post_init__(self) -> None:
         check_wire(self)
@@ -279,11 +285,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
             master_address=info.master_address,
             master_port=info.master_port,
             world_size=info.world_size,
-            packed=info.packed,
-            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
-            timeout_s=info.timeout_s,
-            on_failure=info.on_failure,
+            **engine_wire(info),
         )
         # The engine blocks in /init_weight_transfer_engine until the group forms, and rank 0
         # (us) hosts the rendezvous: both must run at once, and either may fail first.
@@ -334,12 +336,12 @@ class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
         )
         return all_ok and same
 
-    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None:
+    def _send(self, plan: list[Bucket], pairs, update: BackgroundCall, bar: Progress) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
         staging = self._staging_buffers(plan, depth)
         in_flight: deque = deque()
         poll = update.raise_if_failed
-        for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, iter(self.source))):
+        for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
             if bucket.nbytes == 0:
                 continue
             if len(in_flight) >= depth:  # the oldest buffer must be free before reuse

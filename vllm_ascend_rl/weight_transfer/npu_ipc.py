@@ -42,16 +42,17 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
 )
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
-from vllm_ascend_rl.weight_transfer.engine_base import (
+from vllm_ascend_rl.weight_transfer.engine_base import CheckpointEngine
+from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
+from vllm_ascend_rl.weight_transfer.wire import (
     DEFAULT_ON_FAILURE,
     DEFAULT_TIMEOUT_S,
+    DEFAULT_VALIDATION,
     PROTOCOL_VERSION,
-    CheckpointEngine,
     CheckpointUpdateInfo,
     check_wire,
     wire_signature,
 )
-from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 
 logger = get_logger(__name__)
 
@@ -72,6 +73,8 @@ class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
+    delta: bool = False  # send only changed elements (a host copy on both sides): README
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -99,6 +102,8 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
     on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
+    delta: bool = False  # send only changed elements (a host copy on both sides): README
 
     def __post_init__(self) -> None:
         check_wire(self)

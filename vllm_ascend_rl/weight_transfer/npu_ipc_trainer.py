@@ -37,7 +37,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pack_into,
 )
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
-from vllm_ascend_rl.weight_transfer.engine_base import PROTOCOL_VERSION, wire_signature
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     AscendRLNPUIPCWeightTransferUpdateInfo,
@@ -48,6 +47,11 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     CheckpointTrainer,
     Progress,
     WeightSyncError,
+)
+from vllm_ascend_rl.weight_transfer.wire import (
+    PROTOCOL_VERSION,
+    engine_wire,
+    wire_signature,
 )
 
 logger = get_logger(__name__)
@@ -162,13 +166,12 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         if len(set(chips)) != len(chips):
             listener.close()
             raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
+        if info.delta and len(ranks) > 1:  # each rank would need the sender's verdict
+            listener.close()
+            raise ValueError("delta=True needs a single NPU-IPC trainer rank for now")
         worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
-            packed=info.packed,
-            packed_buffer_size_bytes=info.packed_buffer_size_bytes,
-            packed_num_buffers=info.packed_num_buffers,
-            timeout_s=info.timeout_s,
-            on_failure=info.on_failure,
+            **engine_wire(info),
         )
         acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
         try:
@@ -260,9 +263,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         self._go(replies, ok, reason)
         return ok
 
-    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None:
+    def _send(self, plan: list[Bucket], pairs, update: BackgroundCall, bar: Progress) -> None:
         poll = update.raise_if_failed
-        self._stream(plan, poll, bar)
+        self._stream(plan, pairs, poll, bar)
         for peer in self.peers:
             peer.expect("sent", self.update_id, "waiting for the other trainer ranks", poll)
 
@@ -298,7 +301,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             self._go(replies, bool(go.get("ok")), go.get("reason"))
             if not go.get("ok"):
                 return
-            self._stream(plan, watch, Progress(0, False, ""))
+            self._stream(plan, iter(self.source), watch, Progress(0, False, ""))
             sender.send(sent=self.update_id)
         except _Cancelled:
             return
@@ -347,7 +350,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             if r.get("ok"):  # a worker that refused is not waiting for a verdict
                 d.send(go=self.update_id, ok=ok, reason=reason)
 
-    def _stream(self, plan: list[Bucket], poll: Poll, bar: Progress) -> None:
+    def _stream(self, plan: list[Bucket], pairs, poll: Poll, bar: Progress) -> None:
         """Pack every bucket into this rank's ring and ring this rank's workers; a slot is
         refilled only once every worker has acknowledged its previous bucket."""
         ring = self.ring
@@ -361,7 +364,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             holder.pop(done.index % len(ring), None)
             bar.update(done.nbytes)
 
-        for bucket, tensors in iter_bucket_tensors(plan, iter(self.source)):
+        for bucket, tensors in iter_bucket_tensors(plan, pairs):
             if bucket.nbytes == 0:
                 continue
             slot = bucket.index % len(ring)

@@ -45,7 +45,7 @@ class TrainerTransportProbe:
         if not self._agree(specs, receiving):
             raise RuntimeError(f"transport probe refused: {receiving.failure(30)}")
         bar = Progress(0, False, "")
-        self._send(plan, receiving, bar)
+        self._send(plan, iter(self.source), receiving, bar)
         seconds = bar.close()
         receiving.result(self.init_info.timeout_s)
         return seconds

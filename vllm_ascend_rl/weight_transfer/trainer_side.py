@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
@@ -26,11 +26,13 @@ from vllm_ascend_rl.device import Device, current_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import STALE_HANDSHAKE, ChannelError
+from vllm_ascend_rl.weight_transfer.delta import STALE_BASE, DeltaPlan, TrainerBase, wire_specs
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
-from vllm_ascend_rl.weight_transfer.engine_base import plan_for
 from vllm_ascend_rl.weight_transfer.probe import TrainerTransportProbe
+from vllm_ascend_rl.weight_transfer.wire import plan_for
 
 logger = get_logger(__name__)
+Pairs = Iterator[tuple[str, Any]]
 
 
 class WeightSyncError(RuntimeError):
@@ -199,6 +201,8 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
     ) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
+        # delta=True: what the engine holds, to send only what changed (see delta.py)
+        self.base = TrainerBase() if init_info.delta and init_info.is_sender else None
         # Read once, here: on NPU the current device is per thread, and the rendezvous and
         # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
         self.hw = device or current_device(cpu_chip=init_info.rank)
@@ -245,7 +249,10 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
         ``update``)."""
 
     @abstractmethod
-    def _send(self, plan: list[Bucket], update: BackgroundCall, bar: Progress) -> None: ...
+    def _send(
+        self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress
+    ) -> None:
+        """Send ``pairs`` (``(name, tensor)`` in plan order) bucket by bucket."""
 
     @abstractmethod
     def _abort(self) -> None:
@@ -328,8 +335,8 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
     def _send_weights(self, weight_version: str | None, progress: bool | None) -> SyncResult:
         assert self.source is not None
         specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
-        plan = self._plan(specs)
         if not self.is_sender:
+            plan = self._plan(specs)
             self._follow(specs, plan)
             return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
         reason = self._not_ready()
@@ -337,19 +344,45 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
             raise WeightSyncError(
                 f"weight transfer is not usable ({reason}): call trainer_init again"
             )
-        nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
         started = time.perf_counter()
+        delta = None if self.base is None else self.base.encode(iter(self.source))
+        try:
+            return self._transfer(specs, delta, weight_version, progress, started)
+        except WeightSyncError as e:
+            if delta is None or delta.base_version is None or STALE_BASE not in str(e):
+                raise
+            # The engine's base is not ours (it restarted, or its weights were reloaded):
+            # refused before any byte moved; send every tensor whole once.
+            logger.warning("sending whole tensors: %s", e)
+            return self._transfer(specs, self.base.whole(delta), weight_version, progress, started)
+
+    def _transfer(
+        self,
+        specs: list[TensorSpec],
+        delta: DeltaPlan | None,
+        weight_version: str | None,
+        progress: bool | None,
+        started: float,
+    ) -> SyncResult:
+        """One update of ``specs`` (whole, or as ``delta`` encoded them)."""
+        wire = specs if delta is None else wire_specs(specs, delta.nnz)
+        plan = self._plan(wire)
+        nbytes, timeout_s = total_bytes(wire), self.init_info.timeout_s
         try:
             payload = self._payload(specs, plan)  # before the engine opens an update
             if weight_version is not None:
                 payload["weight_version"] = weight_version
+            if delta is not None:
+                payload.update(delta.payload)
         except TRANSPORT_ERRORS as e:
             self._abort()
             raise WeightSyncError(f"preparing the update failed: {e}") from e
-        update = self._open_update(specs, payload)
+        update = self._open_update(wire, payload)
         bar = Progress(nbytes, progress, "weights -> engine")
         try:
-            self._send(plan, update, bar)
+            self._send(
+                plan, iter(self.source) if delta is None else delta.wire_pairs(), update, bar
+            )
             transfer_s = bar.close()
             update.result(timeout_s)
         except TRANSPORT_ERRORS as e:
@@ -363,6 +396,8 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
             bar.close()
         call("finish_weight_update", self.client.finish_weight_update, weight_version)
         self._succeeded()
+        if delta is not None:
+            self.base.commit(delta)
         return SyncResult(
             nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
         )

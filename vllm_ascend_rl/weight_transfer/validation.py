@@ -132,7 +132,37 @@ def parse_specs(
     return specs
 
 
-def validate_update(specs: Sequence[TensorSpec], expected: dict[str, ExpectedParam] | None) -> None:
+# How much of the model an update must carry (the ``validation`` wire parameter). Both refuse
+# unknown names, wrong shapes and wrong dtypes. "partial" lets an update omit whole layers
+# (frozen modules keep their weights) but refuses one that carries only some of a layer's
+# tensors; "complete" refuses any missing checkpoint tensor.
+VALIDATION = ("partial", "complete")
+DEFAULT_VALIDATION = "partial"
+
+
+def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None) -> str:
+    """The serving layer a checkpoint tensor loads into, by name.
+
+    vLLM fuses checkpoint modules into one layer (``packed_modules_mapping``: q/k/v ->
+    ``qkv_proj``, gate/up -> ``gate_up_proj``) and every expert of an MoE block into one
+    ``experts`` layer; a layer is rebuilt only once all its tensors are in.
+    """
+    module = name.rpartition(".")[0]
+    if ".experts." in f"{module}.":
+        return module[: f"{module}.".index(".experts.") + len(".experts")]
+    parent, _, leaf = module.rpartition(".")
+    for fused, parts in (packed_modules or {}).items():
+        if leaf in parts:
+            return f"{parent}.{fused}" if parent else fused
+    return module
+
+
+def validate_update(
+    specs: Sequence[TensorSpec],
+    expected: dict[str, ExpectedParam] | None,
+    validation: str = DEFAULT_VALIDATION,
+    packed_modules: dict[str, list[str]] | None = None,
+) -> None:
     """Raise WeightUpdateRefused naming the first parameter that does not fit the model."""
     seen: set[str] = set()
     for spec in specs:
@@ -157,10 +187,23 @@ def validate_update(specs: Sequence[TensorSpec], expected: dict[str, ExpectedPar
                 f"parameter {spec.name!r}: dtype {dtype_name(spec.dtype)}"
                 f", expected {ok} (cast before sending)"
             )
-    if expected is not None:
-        missing = [n for n, p in expected.items() if p.required and n not in seen]
-        if missing:
+    if expected is None:
+        return
+    missing = [n for n, p in expected.items() if p.required and n not in seen]
+    if not missing:
+        return
+    if validation == "complete":
+        raise WeightUpdateRefused(
+            f"parameter {missing[0]!r} is missing ({len(missing)} missing in all): "
+            "with validation='complete' updates must carry every checkpoint tensor"
+        )
+    sent_layers = {serving_layer(n, packed_modules) for n in seen}
+    for name in missing:
+        layer = serving_layer(name, packed_modules)
+        if layer in sent_layers:
+            absent = [n for n in missing if serving_layer(n, packed_modules) == layer]
             raise WeightUpdateRefused(
-                f"parameter {missing[0]!r} is missing ({len(missing)} missing in all): "
-                "updates must carry every checkpoint tensor"
+                f"layer {layer!r} would receive only part of its weights: {absent} "
+                "missing. A partial update may omit whole layers (they keep their weights), "
+                "never part of one"
             )

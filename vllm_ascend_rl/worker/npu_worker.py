@@ -53,6 +53,7 @@ def _build_class() -> type:
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
 
     from vllm_ascend_rl import device as devices
+    from vllm_ascend_rl.compat import weight_checker_methods
     from vllm_ascend_rl.logs import get_logger
     from vllm_ascend_rl.sleep.allocator import CaMemAllocator
     from vllm_ascend_rl.worker import (
@@ -130,6 +131,9 @@ def _build_class() -> type:
         def discard(self, tags: tuple[str, ...]) -> None:
             self.camem_backend.discard(tags)
 
+    # /weight_checker (vLLM >= 0.32) calls these on every worker; NPUWorker has none of them.
+    for name, method in weight_checker_methods(NPUWorker).items():
+        setattr(SleepableNPUWorker, name, method)
     SleepableNPUWorker.__module__ = __name__
     return SleepableNPUWorker
 
