@@ -56,9 +56,11 @@ clean:
 # The benchmarks use the test kit (tests/support), which is not installed: PYTHONPATH=.
 bench: $(STAMP)
 	PYTHONPATH=. $(BIN)/python benchmarks/weight_sync.py
+	PYTHONPATH=. $(BIN)/python benchmarks/delta_sync.py
 	PYTHONPATH=. $(BIN)/python benchmarks/ipc_sync.py
 	PYTHONPATH=. $(BIN)/python benchmarks/sleep_wake.py
 	PYTHONPATH=. $(BIN)/python benchmarks/scheduler_overhead.py
+	PYTHONPATH=. $(BIN)/python benchmarks/pause_latency.py
 	PYTHONPATH=. $(BIN)/python benchmarks/scale_out.py
 
 # Long reliability run (not in CI): 32 streams x 20 swap cycles, sleep/wake cycles, RSS/fd/shm.

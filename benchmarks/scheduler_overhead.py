@@ -3,7 +3,8 @@
 A synthetic trace of 512 requests (prompt 16-512 tokens, 16-256 output tokens, seeded) runs to
 completion through each scheduler class, built from vLLM's own config and request objects
 with a fake model runner (no model). Every class sees the same trace; the classes run
-interleaved, several rounds, and the median per-step time is reported.
+interleaved (benchmarks/rounds.py): the median per-step time and the median of the per-round
+ratios are reported with their spread, and a target fails only beyond the spread.
 
     python benchmarks/scheduler_overhead.py [--rounds 5]
 
@@ -15,10 +16,10 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import statistics
 import sys
 import time
 
+from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -85,31 +86,35 @@ def _drive(sched) -> tuple[float, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = ap.parse_args()
     model_path = build_tiny_model(TinyModelSpec())
     requests = trace(args.requests)
-    per_step: dict[str, list[float]] = {label: [] for label, *_ in CASES}
     steps: dict[str, int] = {}
-    for _ in range(args.rounds + 1):  # round 0 warms up
-        for label, cls, config, _up in CASES:
+
+    def variant(label: str, cls, config: dict):
+        def measure() -> float:
             seconds, steps[label] = run(cls, config, requests, model_path)
-            per_step[label].append(seconds)
-    median = {label: statistics.median(v[1:]) for label, v in per_step.items()}
-    print(f"\n{args.requests} requests, median of {args.rounds} rounds\n")
-    print("| scheduler | steps | us per step | vs upstream |")
-    print("|---|---|---|---|")
-    verdicts = []
+            return seconds
+
+        return measure
+
+    per_step = interleaved(
+        {label: variant(label, cls, config) for label, cls, config, _ in CASES}, args.rounds
+    )
+    print(f"\n{args.requests} requests, {args.rounds} interleaved rounds (median, spread)\n")
+    print("| scheduler | steps | us per step | spread | vs upstream (per-round median) |")
+    print("|---|---|---|---|---|")
+    targets = []
     for label, _cls, _config, upstream in CASES:
-        ratio = median[label] / median[upstream] if upstream else 1.0
-        print(f"| {label} | {steps[label]} | {1e6 * median[label]:.0f} | {ratio:.3f}x |")
+        us = [1e6 * s for s in per_step[label]]
+        ratio = "1"
         if upstream:
-            verdicts.append((label, ratio))
-    print()
-    for label, ratio in verdicts:
-        verdict = "met" if ratio <= 1.03 else "NOT met"
-        print(f"target {label} <= 1.03x upstream: {ratio:.3f}x ({verdict})")
-    return 0 if all(r <= 1.03 for _, r in verdicts) else 1
+            t = Target.of(f"{label} vs upstream", per_step[label], per_step[upstream], 1.03)
+            targets.append(t)
+            ratio = f"{t.median:.3f}x ±{t.spread:.3f}"
+        print(f"| {label} | {steps[label]} | {median(us):.0f} | ±{spread(us):.0f} | {ratio} |")
+    return report(targets)
 
 
 if __name__ == "__main__":
