@@ -106,7 +106,7 @@ def test_hccl_swap_reaches_both_ranks_and_continuations_match(server, ctl, model
     assert synced != v1
     ctl.reload_weights(str(models[1]))  # a fresh TP=2 load of v2 from disk: the reference
     assert greedy_token_ids(server.url, PROBE, 16) == synced
-    assert check_continuations(server.url, out) == [True] * len(out.streams)
+    assert check_continuations(server.url, out, together=True) == [True] * len(out.streams)
     log = server.log_path.read_text(errors="replace")
     for rank in (1, 2):
         assert f"HCCL weight transfer ready: rank {rank} of 3" in log
