@@ -8,6 +8,9 @@ links ``libascendcl`` with an rpath to that toolkit; set ``VLLM_ASCEND_RL_NO_ACL
 host-only extension (for example a wheel built on a machine with another CANN). vLLM,
 vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the user's
 Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
+
+A second extension, ``vllm_ascend_rl._delta`` (the host kernels of delta weight updates), is
+plain C++ and always built.
 """
 
 import os
@@ -53,8 +56,18 @@ def vmm_extension() -> Extension:
         "vllm_ascend_rl._C",
         sources=sources,
         language="c++",
-        extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra"],
+        extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra", "-pthread"],
+        extra_link_args=["-pthread"],  # the host back end populates on a few threads
         **kwargs,
+    )
+
+
+def delta_extension() -> Extension:
+    return Extension(
+        "vllm_ascend_rl._delta",
+        sources=["csrc/delta_scan.cpp"],
+        language="c++",
+        extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wextra"],
     )
 
 
@@ -65,7 +78,7 @@ setup(
     "CANN VMM sleep mode, recompute scheduler), fully testable on CPU.",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
-    ext_modules=[vmm_extension()],
+    ext_modules=[vmm_extension(), delta_extension()],
     install_requires=["requests", "safetensors", "tokenizers"],
     extras_require={
         # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`

@@ -17,12 +17,16 @@ base is another version refuses before any byte moves.
 
 from __future__ import annotations
 
+import os
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
+from vllm_ascend_rl.weight_transfer.receive_pool import sole_owner
 
 INDEX_SUFFIX, VALUE_SUFFIX = "@idx", "@val"
 WHOLE = -1  # nnz of a tensor sent whole
@@ -31,6 +35,10 @@ STALE_BASE = "the trainer must send whole tensors (its base is stale)"
 # share of the whole tensor's bytes a sparse encoding is chosen.
 SPARSE_BELOW = 0.8
 FINGERPRINT_SAMPLES = 64  # elements read per tensor to notice weights changed behind our back
+# A strided sample of this many elements decides "whole" before the full scan when far more
+# than the sparse limit changed (a wrong guess only costs bytes, never correctness).
+SAMPLE, SAMPLE_MARGIN = 4096, 0.05
+ENCODE_THREADS = min(4, os.cpu_count() or 1)
 
 
 def index_dtype(numel: int) -> torch.dtype:
@@ -56,9 +64,77 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return flat.view(width)
 
 
-def changed_indices(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-    """Flat indices (int64) of the elements whose bits differ."""
-    return torch.nonzero(_bits(new) != _bits(base)).reshape(-1)
+def _kernels():
+    from vllm_ascend_rl import _delta
+
+    return _delta
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` flat, contiguous, in host memory: what the kernels may read by address."""
+    return t.detach().reshape(-1).to("cpu").contiguous()
+
+
+def _copy_into(held: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``, written into ``held`` when it has the same shape and dtype."""
+    if held is None or held.shape != t.shape or held.dtype != t.dtype:
+        return t.detach().to("cpu", copy=True)
+    return held.copy_(t.detach())
+
+
+def sparse_limit(numel: int, elem: int) -> int:
+    """Most changed elements for which indices + values still cost less than ``SPARSE_BELOW``
+    of the whole tensor."""
+    per_element = index_dtype(numel).itemsize + elem
+    return int(SPARSE_BELOW * numel * elem) // per_element
+
+
+def changed(
+    new: torch.Tensor, base: torch.Tensor, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(indices, values)`` of the elements of ``new`` whose bits differ from ``base``
+    (increasing indices of ``index_dtype``; values in host memory), or None when more than
+    ``limit`` (default: ``sparse_limit``, beyond which the whole tensor is cheaper) differ.
+    One pass of ``_delta.diff``, which stops as soon as the answer is None."""
+    new, base = _host(new), _host(base)
+    if new.numel() != base.numel() or new.dtype != base.dtype:
+        raise ValueError("changed() needs two tensors of one size and dtype")
+    numel, elem = new.numel(), new.element_size()
+    limit = sparse_limit(numel, elem) if limit is None else limit
+    if numel >= 4 * SAMPLE:
+        step = numel // SAMPLE
+        share = (_bits(new[::step]) != _bits(base[::step])).float().mean().item()
+        if share > limit / numel + SAMPLE_MARGIN:
+            return None
+    idx = torch.empty(limit + 8, dtype=index_dtype(numel))  # pages never written cost nothing
+    values = torch.empty(limit + 8, dtype=new.dtype)
+    count = _kernels().diff(
+        new.data_ptr(), base.data_ptr(), numel, elem, limit,
+        idx.data_ptr(), idx.element_size(), values.data_ptr(),
+    )  # fmt: skip
+    if count < 0:
+        return None
+    return idx[:count].clone(), values[:count].clone()
+
+
+def scatter(
+    dst: torch.Tensor, idx: torch.Tensor, values: torch.Tensor, keep_old: bool = False
+) -> torch.Tensor | None:
+    """``dst.view(-1)[idx] = values`` in place, in one pass, after checking every index (in
+    range and strictly increasing, else ValueError and nothing is written). With ``keep_old``
+    it returns the values it overwrote, for an undo."""
+    if dst.device.type != "cpu" or not dst.is_contiguous():
+        raise ValueError("scatter() writes contiguous host tensors only")
+    idx, values = _host(idx), _host(values).to(dst.dtype)
+    if idx.dtype not in (torch.int32, torch.int64) or idx.numel() != values.numel():
+        raise ValueError(f"{idx.numel()} sparse indices ({idx.dtype}) for {values.numel()} values")
+    old = torch.empty_like(values) if keep_old else None
+    _kernels().scatter(
+        dst.data_ptr(), dst.numel(), dst.element_size(),
+        idx.data_ptr(), idx.element_size(), idx.numel(), values.data_ptr(),
+        0 if old is None else old.data_ptr(),
+    )  # fmt: skip
+    return old
 
 
 @dataclass
@@ -75,13 +151,10 @@ def encode(name: str, new: torch.Tensor, base: torch.Tensor | None) -> Encoded:
     new = new.detach()
     if base is None or base.shape != new.shape or base.dtype != new.dtype:
         return Encoded(name, WHOLE, [new])
-    idx = changed_indices(new.to(base.device), base)
-    numel, elem = new.numel(), new.element_size()
-    sparse_bytes = idx.numel() * (index_dtype(numel).itemsize + elem)
-    if sparse_bytes >= SPARSE_BELOW * numel * elem:
+    found = changed(new, base)
+    if found is None:
         return Encoded(name, WHOLE, [new])
-    values = new.reshape(-1)[idx.to(new.device)]
-    return Encoded(name, idx.numel(), [idx.to(index_dtype(numel)), values])
+    return Encoded(name, found[0].numel(), list(found))
 
 
 def fingerprint(model: torch.nn.Module) -> int:
@@ -101,25 +174,88 @@ class DeltaRefused(ValueError):
 
 
 @dataclass
-class EngineBase:
-    """The engine side's base: checkpoint-format host tensors and their version.
+class HostBase:
+    """Checkpoint-format host tensors the engine holds, and their version: the *base* both
+    sides keep.
 
-    ``stage`` rebuilds the update's full tensors in the base itself, keeping what it
-    overwrote; ``commit`` keeps the result, ``rollback`` restores the base as it was.
+    ``stage`` applies an update's wire tensors (patches or whole tensors) to the base itself,
+    keeping what it overwrote; ``commit`` keeps the result, ``rollback`` restores the base as
+    it was. The engine stages what it receives; the trainer stages what it sent while the
+    engine is still loading, and commits or rolls back with the engine's answer.
     """
 
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     version: str | None = None
-    model_fingerprint: int | None = None
     _undo: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = field(
         default_factory=list
     )  # (name, indices or None for whole, old values or old tensor)
     _pending_version: str | None = None
     _index: torch.Tensor | None = None  # a w@idx waiting for its w@val
+    # Base tensors replaced by whole ones in the last update, reused by the next one: a fresh
+    # host allocation costs a page fault per page, about as much as the copy itself.
+    _spare: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def begin(self, version: str | None) -> None:
+        self._undo, self._pending_version, self._index = [], version, None
+
+    def stage(
+        self, pairs: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wire ``(name, tensor)`` pairs -> ``(name, full tensor in the base)``."""
+        for name, t in pairs:
+            if name.endswith(INDEX_SUFFIX):
+                self._index = t.to("cpu", copy=True)  # its bucket may be reused
+                continue
+            if name.endswith(VALUE_SUFFIX):
+                name = name.removesuffix(VALUE_SUFFIX)
+                idx, self._index = self._index, None
+                if idx is None:
+                    raise DeltaRefused(f"{name}{VALUE_SUFFIX} arrived without its indices")
+                try:
+                    old = scatter(self.tensors[name], idx, t, keep_old=True)
+                except ValueError as e:
+                    raise DeltaRefused(f"parameter {name!r}: {e}") from None
+                self._undo.append((name, idx, old))
+                yield name, self.tensors[name]
+            else:
+                self._undo.append((name, None, self.tensors.get(name)))
+                self.tensors[name] = _copy_into(self._spare.pop(name, None), t)
+                yield name, self.tensors[name]
+
+    def commit(self) -> None:
+        # Only what nothing else refers to may be written over (a loader could alias it).
+        self._spare = {
+            name: old
+            for name, idx, old in self._undo
+            if idx is None and old is not None and sole_owner(old)
+        }
+        self.version, self._undo = self._pending_version, []
+
+    def rollback(self) -> None:
+        for name, idx, old in reversed(self._undo):
+            if idx is not None:
+                scatter(self.tensors[name], idx, old)
+            elif old is None:
+                self.tensors.pop(name, None)
+            else:
+                self.tensors[name] = old
+        self._undo, self._index = [], None
+
+    def drop(self) -> None:
+        """Forget the base."""
+        self.tensors, self.version = {}, None
+        self._undo, self._index, self._spare = [], None, {}
+
+
+@dataclass
+class EngineBase(HostBase):
+    """The engine side's base, with a fingerprint of the model it was loaded into."""
+
+    model_fingerprint: int | None = None
 
     def check(
         self, specs: Sequence[TensorSpec], nnz: Sequence[int], base_version: str | None
@@ -145,53 +281,15 @@ class EngineBase:
             if n != WHOLE and not 0 <= n <= s.numel:
                 raise DeltaRefused(f"parameter {s.name!r}: nnz {n} outside 0..{s.numel}")
 
-    def begin(self, version: str | None) -> None:
-        self._undo, self._pending_version, self._index = [], version, None
-
-    def stage(
-        self, pairs: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Received ``(wire name, tensor)`` -> ``(name, full tensor in the base)`` to load."""
-        for name, t in pairs:
-            if name.endswith(INDEX_SUFFIX):
-                self._index = t.to("cpu", torch.int64)
-                continue
-            if name.endswith(VALUE_SUFFIX):
-                name = name.removesuffix(VALUE_SUFFIX)
-                idx, self._index = self._index, None
-                if idx is None:
-                    raise DeltaRefused(f"{name}{VALUE_SUFFIX} arrived without its indices")
-                if idx.numel() and (
-                    int(idx.min()) < 0 or int(idx.max()) >= self.tensors[name].numel()
-                ):
-                    raise DeltaRefused(f"parameter {name!r}: a sparse index is out of range")
-                flat = self.tensors[name].view(-1)
-                self._undo.append((name, idx, flat[idx].clone()))
-                flat[idx] = t.to("cpu")
-                yield name, self.tensors[name]
-            else:
-                self._undo.append((name, None, self.tensors.get(name)))
-                self.tensors[name] = t.to("cpu", copy=True)
-                yield name, self.tensors[name]
-
-    def commit(self, model: torch.nn.Module) -> None:
-        self.version, self._undo = self._pending_version, []
-        self.model_fingerprint = fingerprint(model)
-
-    def rollback(self) -> None:
-        for name, idx, old in reversed(self._undo):
-            if idx is not None:
-                self.tensors[name].view(-1)[idx] = old
-            elif old is None:
-                self.tensors.pop(name, None)
-            else:
-                self.tensors[name] = old
-        self._undo, self._index = [], None
+    def commit(self, model: torch.nn.Module | None = None) -> None:
+        super().commit()
+        if model is not None:
+            self.model_fingerprint = fingerprint(model)
 
     def drop(self) -> None:
         """Forget the base (the engine's weights changed some other way)."""
-        self.tensors, self.version, self.model_fingerprint = {}, None, None
-        self._undo, self._index = [], None
+        super().drop()
+        self.model_fingerprint = None
 
 
 @dataclass
@@ -217,22 +315,24 @@ class DeltaPlan:
 
 
 @dataclass
-class TrainerBase:
+class TrainerBase(HostBase):
     """The trainer side's copy of what the engine holds (host memory), and its version."""
 
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    version: str | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
     def encode(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> DeltaPlan:
-        """Every source tensor against the base (all whole while there is none)."""
+        """Every source tensor against the base (all whole while there is none). Tensors are
+        encoded on a few threads (the scan releases the GIL) while the source is read in
+        order on this one, at most ``ENCODE_THREADS`` ahead."""
         import uuid
 
         base = self.tensors if self.version is not None else {}
-        encoded = [encode(name, t, base.get(name)) for name, t in pairs]
+        encoded: list[Encoded] = []
+        with ThreadPoolExecutor(ENCODE_THREADS) as pool:
+            pending: deque[Future[Encoded]] = deque()
+            for name, t in pairs:
+                pending.append(pool.submit(encode, name, t, base.get(name)))
+                if len(pending) > ENCODE_THREADS:
+                    encoded.append(pending.popleft().result())
+            encoded += [f.result() for f in pending]
         return DeltaPlan(
             [e.nnz for e in encoded],
             encoded,
@@ -251,20 +351,13 @@ class TrainerBase:
                 continue
             idx, values = e.tensors
             full = self.tensors[e.name].clone()
-            full.view(-1)[idx.to("cpu", torch.int64)] = values.to("cpu")
+            scatter(full, idx, values)
             encoded.append(Encoded(e.name, WHOLE, [full]))
         self.drop()
         return DeltaPlan([WHOLE] * len(encoded), encoded, None, plan.version)
 
-    def commit(self, plan: DeltaPlan) -> None:
-        """The engine took ``plan``: the base follows."""
-        for e in plan.encoded:
-            if e.nnz == WHOLE:
-                self.tensors[e.name] = e.tensors[0].detach().to("cpu", copy=True)
-            else:
-                idx, values = e.tensors
-                self.tensors[e.name].view(-1)[idx.to("cpu", torch.int64)] = values.to("cpu")
-        self.version = plan.version
-
-    def drop(self) -> None:
-        self.tensors, self.version = {}, None
+    def apply(self, plan: DeltaPlan) -> None:
+        """Stage ``plan`` (sent, not yet accepted): ``commit`` or ``rollback`` follows."""
+        self.begin(plan.version)
+        for _ in self.stage(plan.wire_pairs()):
+            pass

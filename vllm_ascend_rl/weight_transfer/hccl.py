@@ -348,8 +348,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
                 done, work, _ = in_flight.popleft()
                 channel.wait(work, f"sending bucket {done.index}", poll)
                 bar.update(done.nbytes)
-            if bucket.oversized:
-                send = as_bytes(tensors[0])
+            if bucket.oversized:  # from itself (a delta's host-side indices go to the device)
+                send = as_bytes(tensors[0].to(self.hw.torch_device()))
             else:
                 send = staging[i % depth][: bucket.nbytes]
                 # No synchronize: the collective's stream waits for the current stream,

@@ -356,6 +356,10 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
             logger.warning("sending whole tensors: %s", e)
             return self._transfer(specs, self.base.whole(delta), weight_version, progress, started)
 
+    def _rollback_base(self) -> None:
+        if self.base is not None:
+            self.base.rollback()
+
     def _transfer(
         self,
         specs: list[TensorSpec],
@@ -384,20 +388,28 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
                 plan, iter(self.source) if delta is None else delta.wire_pairs(), update, bar
             )
             transfer_s = bar.close()
+            if delta is not None:  # while the engine still loads; undone if it fails
+                self.base.apply(delta)
             update.result(timeout_s)
         except TRANSPORT_ERRORS as e:
             self._abort()  # the engine notices at once instead of after its timeout
+            self._rollback_base()
             reason = update.failure(min(timeout_s, 30.0))
             raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
         except BaseException:
             self._abort()
+            self._rollback_base()
             raise
         finally:
             bar.close()
-        call("finish_weight_update", self.client.finish_weight_update, weight_version)
+        try:
+            call("finish_weight_update", self.client.finish_weight_update, weight_version)
+        except BaseException:
+            self._rollback_base()
+            raise
         self._succeeded()
         if delta is not None:
-            self.base.commit(delta)
+            self.base.commit()
         return SyncResult(
             nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
         )
