@@ -1,38 +1,39 @@
 """Sleep/wake of a KV cache in CaMem virtual memory vs the naive free-and-reallocate.
 
 For KV caches of 1 and 4 GiB (one buffer, as vLLM allocates it, placed by the allocator's
-``kv_cache`` pool exactly as ``SleepableCPUWorker`` does), in one run and per sleep level:
+``kv_cache`` pool exactly as ``SleepableCPUWorker`` does), the variants run interleaved, one
+sleep/wake cycle per variant per round (benchmarks/rounds.py):
 
-  sleep s        ``CaMemAllocator.sleep``: level 1 backs ``weights`` up (a 256 MiB weights
-                 allocation rides along to show that path) and releases everything; level 2
-                 releases everything without a backup
-  KV wake s      ``wake_up(["kv_cache"])``: maps physical memory back at the same address
-                 (zero-filled; the kernel supplies the pages on first touch)
-  KV wake+touch  KV wake plus writing one byte per page of the KV cache (the worst case: every
-                 block used right after waking)
-  weights wake   ``wake_up(["weights"])`` (staged wake): level 1 restores the 256 MiB backup
-  freed          drop of this process's RSS across the sleep, as a share of the KV bytes
-                 (level 1 also releases the weights' mapped copy, whose host backup is
-                 resident from the first cycle on, as on NPU; level 2 wakes the weights
-                 untouched, so from the second cycle on only the KV cache is resident)
+  CaMem level 1  ``CaMemAllocator.sleep`` backs ``weights`` up (a 256 MiB weights allocation
+                 rides along) and releases everything; wake maps the KV cache, then restores
+                 the weights
+  CaMem level 2  the same without a backup
   naive          ``del`` the tensor (+ ``malloc_trim``), then ``torch.zeros`` it again: a new
                  address, so every view, pointer and captured graph is stale
 
-Targets: freed >= 95% of the KV bytes; level-1 wake <= 50 ms per GiB.
+  sleep s        the sleep (naive: the free)
+  wake s         **wake plus first touch**: the KV cache is mapped back at its address and one
+                 byte per page is written (every block used right after waking), so memory the
+                 back end maps lazily is paid for here and not hidden in the first forward
+                 pass (naive: ``torch.zeros``, which touches every page itself)
+  weights wake s level 1's staged ``wake_up(["weights"])``: the 256 MiB backup restored
+  freed          drop of this process's RSS across the sleep, as a share of the KV bytes
 
-    python benchmarks/sleep_wake.py [--sizes-gib 1 4] [--repeats 3]
+Targets: freed >= 95% of the KV bytes; KV wake (with first touch) <= naive re-zeroing.
+
+    python benchmarks/sleep_wake.py [--sizes-gib 1 4] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 
 import psutil
 import torch
+from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
@@ -56,100 +57,105 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def camem_row(alloc: CaMemAllocator, kv_bytes: int, level: int, repeats: int) -> dict:
-    with alloc.use_memory_pool("weights"):
-        weights = torch.empty(WEIGHTS_BYTES, dtype=torch.uint8)
-    weights.fill_(7)
-    with alloc.use_memory_pool("kv_cache"):
-        kv = torch.zeros(kv_bytes, dtype=torch.uint8)
-    addr = kv.data_ptr()
-    offload = ("weights",) if level == 1 else ()
-    sleeps, wakes, touches, weight_wakes, freed = [], [], [], [], []
-    for _ in range(repeats):
+class CaMemCycle:
+    """A KV cache and a weights allocation in their own allocator; one call = one cycle."""
+
+    def __init__(self, kv_bytes: int, level: int) -> None:
+        self.alloc = CaMemAllocator("host")
+        self.level, self.kv_bytes = level, kv_bytes
+        with self.alloc.use_memory_pool("weights"):
+            self.weights = torch.empty(WEIGHTS_BYTES, dtype=torch.uint8)
+        self.weights.fill_(7)
+        with self.alloc.use_memory_pool("kv_cache"):
+            self.kv = torch.zeros(kv_bytes, dtype=torch.uint8)
+        self.addr = self.kv.data_ptr()
+
+    def __call__(self) -> dict:
         before = rss()
-        sleeps.append(timed(lambda: alloc.sleep(offload_tags=offload)))
-        freed.append(before - rss())
-        wakes.append(timed(lambda: alloc.wake_up(["kv_cache"])))
-        touches.append(wakes[-1] + timed(lambda: touch(kv)))
-        weight_wakes.append(timed(lambda: alloc.wake_up(["weights"])))
-    assert kv.data_ptr() == addr, "the KV cache moved"
-    assert level != 1 or int(weights[::PAGE].min()) == 7, "level 1 lost the weights"
-    for a in list(alloc.allocations):
-        alloc.free(a)
-    return {
-        "sleep": statistics.median(sleeps),
-        "wake": statistics.median(wakes),
-        "touch": statistics.median(touches),
-        "weights": statistics.median(weight_wakes),
-        "freed": statistics.median(freed),
-    }
+        offload = ("weights",) if self.level == 1 else ()
+        sleep = timed(lambda: self.alloc.sleep(offload_tags=offload))
+        freed = before - rss()
+        wake = timed(lambda: (self.alloc.wake_up(["kv_cache"]), touch(self.kv)))
+        weights = timed(lambda: self.alloc.wake_up(["weights"]))
+        assert self.kv.data_ptr() == self.addr, "the KV cache moved"
+        assert self.level != 1 or int(self.weights[::PAGE].min()) == 7, "level 1 lost weights"
+        return {"sleep": sleep, "wake": wake, "weights": weights, "freed": freed}
+
+    def close(self) -> None:
+        del self.kv, self.weights
+        for a in list(self.alloc.allocations):
+            self.alloc.free(a)
 
 
-def naive_row(kv_bytes: int, repeats: int) -> dict:
-    kv = torch.zeros(kv_bytes, dtype=torch.uint8)
-    touch(kv)
-    frees, reallocs, freed = [], [], []
-    for _ in range(repeats):
+class NaiveCycle:
+    def __init__(self, kv_bytes: int) -> None:
+        self.kv_bytes = kv_bytes
+        self.kv: torch.Tensor | None = torch.zeros(kv_bytes, dtype=torch.uint8)
+        touch(self.kv)
+
+    def __call__(self) -> dict:
         before = rss()
 
-        def release():
-            nonlocal kv
-            del kv
+        def release() -> None:
+            self.kv = None
             gc.collect()
             get_device("cpu").empty_cache()
 
-        frees.append(timed(release))
-        freed.append(before - rss())
+        sleep = timed(release)
+        freed = before - rss()
 
-        def realloc():
-            nonlocal kv
-            kv = torch.zeros(kv_bytes, dtype=torch.uint8)
+        def realloc() -> None:
+            self.kv = torch.zeros(self.kv_bytes, dtype=torch.uint8)
 
-        reallocs.append(timed(realloc))
-    return {
-        "sleep": statistics.median(frees),
-        "wake": statistics.median(reallocs),
-        "touch": statistics.median(reallocs),
-        "freed": statistics.median(freed),
-    }
+        return {"sleep": sleep, "wake": timed(realloc), "weights": 0.0, "freed": freed}
+
+    def close(self) -> None:
+        self.kv = None
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-gib", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = ap.parse_args()
-    alloc = CaMemAllocator("host")
+    print(f"sleep/wake, {args.rounds} interleaved rounds per size (median, spread)\n")
     print(
-        "| KV GiB | method | sleep s | KV wake s | KV wake ms/GiB | KV wake+touch s "
-        "| weights wake s | freed GiB | freed / KV | same address |"
+        "| KV GiB | method | sleep s | KV wake s (with first touch) | ms/GiB | weights wake s "
+        "| freed GiB | freed / KV | same address |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    verdicts = []
+    print("|---|---|---|---|---|---|---|---|---|")
+    targets = []
     for gib in args.sizes_gib:
         kv_bytes = gib * GiB
-        for level in (1, 2):
-            r = camem_row(alloc, kv_bytes, level, args.repeats)
-            share = r["freed"] / kv_bytes
-            per_gib = 1e3 * r["wake"] / gib
+        cycles = {
+            "CaMem level 1": CaMemCycle(kv_bytes, 1),
+            "CaMem level 2": CaMemCycle(kv_bytes, 2),
+            "naive free + zeros": NaiveCycle(kv_bytes),
+        }
+        try:
+            runs = interleaved(cycles, args.rounds)
+        finally:
+            for c in cycles.values():
+                c.close()
+        naive = [r["wake"] for r in runs["naive free + zeros"]]
+        for name, rows in runs.items():
+            col = {k: [r[k] for r in rows] for k in rows[0]}
+            share = median(col["freed"]) / kv_bytes
             print(
-                f"| {gib} | CaMem level {level} | {r['sleep']:.3f} | {r['wake']:.4f} | "
-                f"{per_gib:.1f} | {r['touch']:.3f} | {r['weights']:.3f} | "
-                f"{r['freed'] / GiB:.2f} | {share:.1%} | yes |"
+                f"| {gib} | {name} | {median(col['sleep']):.3f} | {median(col['wake']):.3f} "
+                f"±{spread(col['wake']):.3f} | {1e3 * median(col['wake']) / gib:.0f} | "
+                f"{median(col['weights']):.3f} | {median(col['freed']) / GiB:.2f} | "
+                f"{share:.1%} | {'yes' if name.startswith('CaMem') else 'not guaranteed'} |"
             )
-            verdicts.append((f"{gib} GiB L{level} freed >= 95% of KV", share >= 0.95, share))
-            if level == 1:
-                verdicts.append((f"{gib} GiB L1 wake <= 50 ms/GiB", per_gib <= 50, per_gib))
-        n = naive_row(kv_bytes, args.repeats)
-        print(
-            f"| {gib} | naive free + zeros | {n['sleep']:.3f} | {n['wake']:.4f} | "
-            f"{1e3 * n['wake'] / gib:.1f} | {n['touch']:.3f} | - | {n['freed'] / GiB:.2f} | "
-            f"{n['freed'] / kv_bytes:.1%} | not guaranteed |"
-        )
-    print()
-    for name, ok, value in verdicts:
-        print(f"target {name}: {value:.3g} ({'met' if ok else 'NOT met'})")
-    return 0 if all(ok for _, ok, _ in verdicts) else 1
+            if name.startswith("CaMem"):
+                targets.append(
+                    Target(f"{gib} GiB {name} freed / KV", [f / kv_bytes for f in col["freed"]],
+                           0.95, at_least=True)
+                )  # fmt: skip
+                targets.append(
+                    Target.of(f"{gib} GiB {name} KV wake / naive", col["wake"], naive, 1.0)
+                )
+    return report(targets)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 // One virtual-memory interface for the sleep allocator, with two back ends:
-//   host: memfd + mmap (reserve with PROT_NONE, map with MAP_FIXED), always built;
+//   host: anonymous mmap (reserve with PROT_NONE, map with MAP_FIXED), always built;
 //   acl:  CANN's aclrtReserveMemAddress / aclrtMallocPhysical / aclrtMapMem, built with CANN.
 // Every call returns 0 or an error code (errno, or an aclError); nothing throws. Every call
 // that touches a device takes that device: on ACL the current device is per thread, and the
@@ -16,7 +16,7 @@ extern "C" {
 
 typedef struct VmmBackend {
   const char* name;
-  // 1 if physical memory reads as zero once mapped (memfd pages); 0 if it holds whatever was
+  // 1 if physical memory reads as zero once mapped (anonymous pages); 0 if it holds whatever was
   // there before (aclrtMallocPhysical), so a promise of zeros needs `zero`.
   int maps_zeroed;
   // Smallest size/alignment of physical allocations (bytes).

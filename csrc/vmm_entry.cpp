@@ -72,7 +72,8 @@ extern "C" void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device)
     b->release(va, aligned, device);
     return nullptr;
   }
-  if ((err = b->map(va, aligned, handle, 0, device)) != 0) {
+  // Populated: a shortage fails this malloc (torch reports out-of-memory), not a later touch.
+  if ((err = b->map(va, aligned, handle, 1, device)) != 0) {
     log_failure(b, "map", va, err);
     b->free_handle(handle, device);
     b->release(va, aligned, device);

@@ -1,15 +1,22 @@
 // Host back end of vmm.h: the CPU stand-in for CANN virtual memory.
-// A reserved range is an anonymous PROT_NONE mapping; physical memory is a memfd; mapping
-// replaces part of the reservation with a MAP_SHARED|MAP_FIXED view of the memfd; unmapping
-// puts a PROT_NONE reservation back, so the address stays ours and the pages go back to the
-// OS once the memfd is closed.
+// A reserved range is an anonymous PROT_NONE mapping. "Physical memory" is a handle that
+// records a size; mapping it replaces part of the reservation with private anonymous memory
+// (MAP_FIXED), populated on request; unmapping puts a PROT_NONE reservation back, which gives
+// the pages to the OS at once while the address stays ours. (It was a memfd mapped shared
+// until 2026-12: shmem pages cost twice as much to populate as anonymous ones, which made a
+// populated wake slower than freeing and re-zeroing a tensor.) A handle maps at one address
+// at a time, which is all the allocator does; contents do not outlive an unmap.
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+
+#include <algorithm>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
 
 #include "vmm.h"
 
@@ -22,9 +29,18 @@ int host_granularity(int, size_t* out) {
   return 0;
 }
 
-// Handles are file descriptors: anything above INT_MAX cannot be one of ours, and truncating it
-// would close an unrelated descriptor.
-bool valid_fd(uint64_t handle) { return handle <= static_cast<uint64_t>(INT_MAX); }
+// Live handles and their sizes: a handle that is not one of ours is EBADF, never a guess.
+std::mutex g_handles_lock;
+std::unordered_map<uint64_t, size_t> g_handles;
+uint64_t g_next_handle = 1;  // never 0: the entry points read 0 as "no handle"
+
+bool handle_size(uint64_t handle, size_t* size) {
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  auto it = g_handles.find(handle);
+  if (it == g_handles.end()) return false;
+  *size = it->second;
+  return true;
+}
 
 int host_reserve(size_t size, int, uint64_t* addr) {
   void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -52,42 +68,18 @@ size_t available_bytes() {
 
 int host_create(size_t size, int, int populate, uint64_t* handle) {
   // Committing more than the host can give would not fail: the OOM killer would end the
-  // process. Refuse up front instead.
+  // process. Refuse up front instead (the pages themselves are committed when mapped).
   size_t avail = populate ? available_bytes() : 0;
   if (populate && avail != 0 && size > avail) return ENOMEM;
-  int fd = memfd_create("vllm_ascend_rl_vmm", MFD_CLOEXEC);
-  if (fd < 0) return errno;
-  int err = 0;
-  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
-    err = errno;
-  } else if (populate) {
-    // Commit the pages now: running out of memory is reported here, not by a later SIGBUS.
-    err = posix_fallocate(fd, 0, static_cast<off_t>(size));
-  }
-  if (err != 0) {
-    close(fd);
-    return err;
-  }
-  *handle = static_cast<uint64_t>(fd);
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  *handle = g_next_handle++;
+  g_handles[*handle] = size;
   return 0;
 }
 
 int host_free(uint64_t handle, int) {
-  if (!valid_fd(handle)) return EBADF;
-  return close(static_cast<int>(handle)) == 0 ? 0 : errno;
-}
-
-int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int) {
-  if (!valid_fd(handle)) return EBADF;
-  int flags = MAP_SHARED | MAP_FIXED | (populate ? MAP_POPULATE : 0);
-  void* want = reinterpret_cast<void*>(addr);
-  void* p = mmap(want, size, PROT_READ | PROT_WRITE, flags, static_cast<int>(handle), 0);
-  if (p == MAP_FAILED) return errno;
-  if (p != want) {  // cannot happen with MAP_FIXED; never leave a stray mapping behind
-    munmap(p, size);
-    return EFAULT;
-  }
-  return 0;
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  return g_handles.erase(handle) == 1 ? 0 : EBADF;
 }
 
 int host_unmap(uint64_t addr, size_t size, int) {
@@ -97,7 +89,63 @@ int host_unmap(uint64_t addr, size_t size, int) {
   return p == MAP_FAILED ? errno : 0;
 }
 
-// Fresh memfd pages are zero already (maps_zeroed); this serves an explicit request.
+// Write-fault every page now, in the kernel: one call per chunk instead of a fault per page
+// at first touch. MADV_POPULATE_WRITE (Linux 5.14) reports a shortage as ENOMEM; older kernels
+// reject the advice (EINVAL) and get MAP_POPULATE's best effort instead.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+int populate_chunk(char* p, size_t size) {
+  if (madvise(p, size, MADV_POPULATE_WRITE) == 0) return 0;
+  if (errno != EINVAL) return errno;
+  void* q = mmap(p, size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE | MAP_POPULATE, -1, 0);
+  return q == MAP_FAILED ? errno : 0;
+}
+
+// Zeroing the pages is the cost, and one core does it at a fraction of what the memory can
+// take: large ranges are populated by a few threads, one chunk each (as torch.zeros fills a
+// tensor on several threads).
+int populate_range(void* p, size_t size) {
+  constexpr size_t kMinChunk = 64ul << 20;
+  size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  size_t threads = std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()), 8,
+                                     std::max<size_t>(1, size / kMinChunk)});
+  if (threads == 1) return populate_chunk(static_cast<char*>(p), size);
+  size_t chunk = (size / threads + page - 1) / page * page;
+  std::vector<int> errs(threads, 0);
+  std::vector<std::thread> pool;
+  for (size_t i = 0; i < threads; ++i) {
+    size_t off = i * chunk;
+    if (off >= size) break;
+    size_t len = std::min(chunk, size - off);
+    pool.emplace_back([&errs, i, p, off, len] {
+      errs[i] = populate_chunk(static_cast<char*>(p) + off, len);
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (int e : errs) {
+    if (e != 0) return e;
+  }
+  return 0;
+}
+
+int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int device) {
+  size_t have = 0;
+  if (!handle_size(handle, &have)) return EBADF;
+  if (size > have) return EINVAL;
+  void* want = reinterpret_cast<void*>(addr);
+  // MAP_NORESERVE: no commit charge up front; what is committed is what `populate` (or a
+  // touch) faults in, as create's check intends.
+  void* p = mmap(want, size, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return errno;
+  int err = p == want ? (populate ? populate_range(p, size) : 0) : EFAULT;
+  if (err != 0) host_unmap(addr, size, device);  // never leave a half-made mapping behind
+  return err;
+}
+
+// Fresh anonymous pages are zero already (maps_zeroed); this serves an explicit request.
 int host_zero(uint64_t addr, size_t size, int) {
   memset(reinterpret_cast<void*>(addr), 0, size);
   return 0;

@@ -63,6 +63,28 @@ def test_sleep_gives_the_memory_back_and_wake_takes_it_again(alloc):
     assert rss() - before > 240 * MiB
 
 
+def test_wake_maps_memory_resident_before_it_is_touched(alloc):
+    """The wake pays for the pages (populated), so the first forward pass does not."""
+    kv = alloc.allocate(256 * MiB, "kv_cache")
+    alloc.sleep()
+    before = rss()
+    alloc.wake_up(["kv_cache"])
+    assert rss() - before > 240 * MiB  # resident with no access at all
+    assert not alloc.tensor(kv)[:: 1 << 20].any()  # and still zero
+
+
+def test_a_wake_the_host_cannot_back_fails_and_stays_asleep(alloc):
+    """An allocation made lazily (not populated) that the host could never back: its wake
+    fails with SleepError and the allocation stays asleep, instead of a SIGBUS at first touch."""
+    too_much = psutil.virtual_memory().available + (8 << 30)
+    lazy = alloc.allocate(too_much, "kv_cache", populate=False)
+    alloc.sleep()
+    with pytest.raises(SleepError, match=r"wake_up.*rolled back.*Cannot allocate memory"):
+        alloc.wake_up()
+    assert not alloc.is_awake("kv_cache") and alloc.get_current_usage() == 0
+    alloc.free(lazy.addr)
+
+
 def test_backups_are_allocated_once_and_reused(alloc):
     w = alloc.allocate(2 * MiB, "weights")
     fill(alloc, w, 3)

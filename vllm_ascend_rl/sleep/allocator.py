@@ -4,12 +4,13 @@ Every allocation reserves its own virtual address range once. Sleeping drains th
 copies tagged contents to a host backup (allocated once and reused across cycles, unless
 ``keep_backups`` is off) and unmaps and frees the physical memory; waking maps fresh physical
 memory at the same address and restores the backup. Memory woken without a backup reads as
-zero on every back end: memfd pages are zero, ACL memory is zeroed after mapping. Tensors,
+zero on every back end: fresh anonymous pages are zero, ACL memory is zeroed after mapping. Tensors,
 views and captured graphs keep pointing at valid addresses throughout. Allocations tagged
 ``sleep_persistent`` are never released.
 
 Back ends (``vllm_ascend_rl._C``): ``acl`` on Ascend (CANN virtual memory, fed by torch_npu's
-pluggable allocator) and ``host`` everywhere (memfd + mmap), which CPU workers and the tests use.
+pluggable allocator) and ``host`` everywhere (anonymous mmap), which CPU workers and the tests
+use.
 """
 
 from __future__ import annotations
@@ -243,9 +244,9 @@ class CaMemAllocator:
                 self._release_physical(alloc)
 
     def wake_up(self, tags: Iterable[str] | str | None = None) -> None:
-        """Map fresh physical memory at the same addresses for ``tags`` (all if None) and
-        restore backups; what has no backup reads as zero. Awake allocations are left alone.
-        A failure of any kind part-way releases what this call had mapped and raises
+        """Map fresh, populated physical memory at the same addresses for ``tags`` (all if
+        None) and restore backups; what has no backup reads as zero. Awake allocations are
+        left alone. A failure of any kind part-way releases what this call had mapped and raises
         SleepError: the allocator is back to a clean asleep state, backups intact."""
         wanted = _tags(tags)
         with self._lock:
@@ -254,19 +255,17 @@ class CaMemAllocator:
                 for alloc in list(self.allocations.values()):
                     if alloc.awake or (wanted is not None and alloc.tag not in wanted):
                         continue
+                    # Populated: the memory is committed and mapped now, so a shortage fails
+                    # this wake (rolled back) instead of a later page fault, and the first
+                    # forward pass does not pay the page faults (ACL maps eagerly anyway).
                     alloc.handle = self._call(
-                        "create", self.backend, alloc.size, alloc.device, False
+                        "create", self.backend, alloc.size, alloc.device, True
                     )
                     woken.append(alloc)
                     self._call(
-                        "map",
-                        self.backend,
-                        alloc.addr,
-                        alloc.size,
-                        alloc.handle,
-                        False,
+                        "map", self.backend, alloc.addr, alloc.size, alloc.handle, True,
                         alloc.device,
-                    )
+                    )  # fmt: skip
                     alloc.mapped = True
                     if alloc.has_backup:
                         self._hw(alloc.device).write_device(alloc.addr, alloc.backup)
