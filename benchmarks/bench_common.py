@@ -22,6 +22,13 @@ EXT = "bench_worker_ext.WeightSyncBenchExtension"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+# ~0.21 GB of bf16 weights: big enough that a decode step and a sync are not all overhead,
+# small enough for two servers on 2 cores (pause_latency.py, scale_out.py).
+MEDIUM_SPEC = TinyModelSpec(
+    seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
+)
+
+
 def big_spec(layers: int = 10) -> TinyModelSpec:
     """~1.03 GB of bf16 weights in 10 layers of a 2048-wide Qwen2 (123 tensors)."""
     return TinyModelSpec(

@@ -25,10 +25,10 @@ import sys
 import time
 
 import requests
+from bench_common import MEDIUM_SPEC
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 from tests.support import (
-    TinyModelSpec,
     VLLMServer,
     build_tiny_model,
     engine_args,
@@ -38,9 +38,7 @@ from tests.support import (
 from tests.support.streams import StreamingCompletion
 from vllm_ascend_rl.client import EngineControlClient
 
-SPEC = TinyModelSpec(
-    seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
-)
+SPEC = MEDIUM_SPEC
 UPSTREAM_SLEEP_MS = 20.0  # AsyncLLM.pause_generation's asyncio.sleep(0.02)
 STREAMS = (1, 8, 32)
 MODES = ("keep", "abort")

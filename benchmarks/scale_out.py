@@ -17,11 +17,10 @@ import argparse
 import statistics
 import time
 
-from bench_common import model_bytes, trainer_engine
+from bench_common import MEDIUM_SPEC, model_bytes, trainer_engine
 
 import vllm_ascend_rl
 from tests.support import (
-    TinyModelSpec,
     VLLMServer,
     build_tiny_model,
     load_hf_model,
@@ -31,9 +30,7 @@ from tests.support import (
 from tests.support.rl_step import swap_mid_generation
 from vllm_ascend_rl.client import EngineControlClient
 
-SPEC = TinyModelSpec(
-    seed=1, num_layers=8, hidden_size=1024, num_heads=16, num_kv_heads=16, intermediate_size=2816
-)
+SPEC = MEDIUM_SPEC
 
 
 def pause_idle_ms(urls: list[str], repeats: int) -> float:

@@ -11,23 +11,9 @@
 #include <stdint.h>
 #include <string.h>
 
-namespace {
+#include "py_args.h"
 
-// "O&" converter for addresses and counts: a non-negative int below 2**64.
-int to_u64(PyObject* obj, void* out) {
-  if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "expected an int, got %s", Py_TYPE(obj)->tp_name);
-    return 0;
-  }
-  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    PyErr_SetString(PyExc_ValueError, "expected a non-negative int below 2**64");
-    return 0;
-  }
-  *static_cast<uint64_t*>(out) = static_cast<uint64_t>(v);
-  return 1;
-}
+namespace {
 
 bool valid_widths(unsigned elem, unsigned index) {
   return (elem == 1 || elem == 2 || elem == 4 || elem == 8) && (index == 4 || index == 8);

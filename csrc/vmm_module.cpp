@@ -5,6 +5,8 @@
 #include <Python.h>
 #include <string.h>
 
+#include "py_args.h"
+
 #include "vmm.h"
 
 extern "C" void vmm_set_callbacks(PyObject* on_malloc, PyObject* on_free);
@@ -36,23 +38,6 @@ PyObject* fail(const VmmBackend* b, const char* op, int code) {
   PyErr_SetObject(g_vmm_error, exc);
   Py_DECREF(exc);
   return nullptr;
-}
-
-// "O&" converter for addresses, sizes and handles: a non-negative int below 2**64. PyArg's
-// "K" would wrap -1 to 2**64-1 and truncate nothing, so a bad argument reached the back end.
-int to_u64(PyObject* obj, void* out) {
-  if (!PyLong_Check(obj) || PyBool_Check(obj)) {
-    PyErr_Format(PyExc_TypeError, "expected an int, got %s", Py_TYPE(obj)->tp_name);
-    return 0;
-  }
-  unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
-    PyErr_Clear();
-    PyErr_SetString(PyExc_ValueError, "expected a non-negative int below 2**64");
-    return 0;
-  }
-  *static_cast<uint64_t*>(out) = static_cast<uint64_t>(v);
-  return 1;
 }
 
 #define BACKEND_OR_RETURN(name) \
