@@ -101,6 +101,10 @@ class Device(ABC):
     # Whether a collective may stay pending for long (a refusal no trainer joined yet, see
     # BroadcastChannel.refuse) without blocking anything else on the device.
     collective_may_stay_pending: bool = False
+    # Whether the weight-transfer receive pool stays allocated between updates (see
+    # ReceivePool): worth it for host pages, whose first touch is slow; not for device memory
+    # that vLLM's KV-cache sizing never counted.
+    keeps_receive_pool: bool = True
 
     def __init__(self, index: int = 0) -> None:
         # The device this object serves: an NPU's logical index (the current device is per

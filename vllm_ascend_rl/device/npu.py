@@ -98,6 +98,7 @@ class NpuDevice(Device):
     # HCCL_EXEC_TIMEOUT. Pending, it would block any device-wide synchronize, and vllm-ascend
     # syncs the device (model_runner_v1.py:590 _sync_device, worker.py:857/877 @182b75e).
     collective_may_stay_pending = False
+    keeps_receive_pool = False  # HBM beyond the KV-cache budget (ascend-review D7)
 
     def __init__(self, index: int = 0) -> None:
         _torch_npu()

@@ -66,7 +66,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
             raise ValueError(refusal)
         self.init_info = None
         self.reload = LayerwiseReload()
-        self.pool = ReceivePool(device, max_bytes=0)  # sized at init from the wire params
+        # Sized at init from the wire params; kept between updates on the host only (D7).
+        self.pool = ReceivePool(device, 0, keep_between_updates=self.hw.keeps_receive_pool)
         self._expected = None
         self._expected_loaded = False
         self._guard = None  # forward pre-hook while an update is open
@@ -177,6 +178,7 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
             return
         self._drop_guard()
         self.reload.finish(self.model_config)
+        self._end_pool()
         if self.base is not None:
             self.base.commit(self.model)
             logger.info(
@@ -224,6 +226,7 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         if self.base is not None:
             self.base.rollback()
         restored, kept = self.reload.abort(self.model_config)
+        self._end_pool()
         if kept or self._mixed:
             self._mixed = True
             version = f" of version {self._loading!r}" if self._loading else ""
@@ -239,6 +242,19 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         self.hold.release()
         return "model unchanged" + (
             f" (the old weights were restored in {restored} layer(s))" if restored else ""
+        )
+
+    def _end_pool(self) -> None:
+        """Count what the receive pool took; give it back where it is not kept (device)."""
+        allocated, kept = self.pool.end_update()
+        if allocated and not self.pool.keep_between_updates:
+            self.hw.empty_cache()  # released blocks go back to the device, not the allocator
+        logger.info(
+            "receive pool: %.1f MiB allocated by this update, %.1f MiB kept until the next "
+            "(bound %.1f MiB)",
+            allocated / 2**20,
+            kept / 2**20,
+            self.pool.max_bytes / 2**20,
         )
 
     def _drop_guard(self) -> None:
