@@ -127,7 +127,8 @@ def swap_mid_generation(
             # paused, so it cannot finish its requests while a slower one catches up.
             lagging = [u for u in urls if any(split[i] < min_tokens for i in served[u])]
             EngineControlClient(lagging, timeout_s=timeout_s).resume()
-            probe_s = min(2 * probe_s, 1.0)
+            # Capped low: one engine far ahead must not finish its requests in one interval.
+            probe_s = min(2 * probe_s, 0.25)
         if max(split) >= max_tokens and attempt + 1 < attempts:
             ctl.resume()  # too late: a request already finished; retry, probing sooner
             for s in streams:

@@ -83,6 +83,7 @@ class VLLMServer:
         self.env.update(env or {})
         self.proc: subprocess.Popen | None = None
         self._segments: set[str] = set()  # see _orphanable_segments; unlinked by stop()
+        self._engine_killed = False  # kill_engine(): the API server will not stop gracefully
 
     @property
     def url(self) -> str:
@@ -181,6 +182,7 @@ class VLLMServer:
         and Python's resource tracker stay (stop() still cleans up)."""
         self._segments |= _orphanable_segments(self.pids())
         self._kill_all_but_trackers(keep_api_server=True)
+        self._engine_killed = True
 
     def _kill_all_but_trackers(self, keep_api_server: bool = False) -> None:
         """SIGKILL the server's processes except Python's resource trackers, which unlink
@@ -203,6 +205,8 @@ class VLLMServer:
         """Terminate the whole process group; escalate to SIGKILL after ``timeout_s``."""
         if self.proc is None:
             return
+        if self._engine_killed:  # its API server waits on requests nobody will answer
+            timeout_s, self._engine_killed = min(timeout_s, 5.0), False
         try:
             pgid = os.getpgid(self.proc.pid)
         except ProcessLookupError:
