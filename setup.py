@@ -9,8 +9,8 @@ host-only extension (for example a wheel built on a machine with another CANN). 
 vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the user's
 Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
 
-A second extension, ``vllm_ascend_rl._delta`` (the host kernels of delta weight updates), is
-plain C++ and always built.
+A second extension, ``vllm_ascend_rl._host`` (host kernels: the delta diff and scatter, the
+multi-threaded staging copy), is plain C++ and always built.
 """
 
 import os
@@ -62,12 +62,14 @@ def vmm_extension() -> Extension:
     )
 
 
-def delta_extension() -> Extension:
+def host_extension() -> Extension:
     return Extension(
-        "vllm_ascend_rl._delta",
-        sources=["csrc/delta_scan.cpp"],
+        "vllm_ascend_rl._host",
+        sources=["csrc/host_module.cpp", "csrc/delta_scan.cpp", "csrc/host_copy.cpp"],
+        include_dirs=["csrc"],
         language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wextra"],
+        extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wextra", "-pthread"],
+        extra_link_args=["-pthread"],
     )
 
 
@@ -78,7 +80,7 @@ setup(
     "CANN VMM sleep mode, recompute scheduler), fully testable on CPU.",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
-    ext_modules=[vmm_extension(), delta_extension()],
+    ext_modules=[vmm_extension(), host_extension()],
     install_requires=["requests", "safetensors", "tokenizers"],
     extras_require={
         # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`

@@ -1,4 +1,4 @@
-// vllm_ascend_rl._delta: one-pass host kernels of delta (sparse) weight updates.
+// One-pass host kernels of delta (sparse) weight updates (module vllm_ascend_rl._host).
 //
 // The torch version of a diff (compare, mask, nonzero, gather, cast) makes five passes over a
 // tensor and materializes a mask and int64 indices as large as the tensor; on a 1 GB model it
@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "host_kernels.h"
 #include "py_args.h"
 
 namespace {
@@ -88,6 +89,10 @@ int64_t scan_width(const unsigned char* a, const unsigned char* b, uint64_t nume
   }
 }
 
+}  // namespace
+
+namespace host_kernels {
+
 PyObject* py_diff(PyObject*, PyObject* args) {
   uint64_t a, b, numel, limit, idx, val;
   unsigned elem, index_width;
@@ -157,20 +162,4 @@ PyObject* py_scatter(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-PyMethodDef kMethods[] = {
-    {"diff", py_diff, METH_VARARGS,
-     "diff(new, base, numel, elem_size, limit, idx_out, idx_width, val_out) -> count, or -1 "
-     "once more than limit elements differ; the outputs hold limit + 8 entries"},
-    {"scatter", py_scatter, METH_VARARGS,
-     "scatter(dst, numel, elem_size, idx, idx_width, count, values, old_out or 0): write "
-     "values at strictly increasing indices (all checked before any write), saving the old"},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "vllm_ascend_rl._delta",
-                       "Host kernels of delta weight updates.", -1, kMethods,
-                       nullptr, nullptr, nullptr, nullptr};
-
-}  // namespace
-
-PyMODINIT_FUNC PyInit__delta(void) { return PyModule_Create(&kModule); }
+}  // namespace host_kernels

@@ -1,4 +1,5 @@
-// Argument converters shared by the extension modules (vmm_module.cpp, delta_scan.cpp).
+// Argument converters shared by the extension modules (vmm_module.cpp; delta_scan.cpp and
+// host_copy.cpp of _host).
 #pragma once
 
 #define PY_SSIZE_T_CLEAN

@@ -126,3 +126,26 @@ def test_doorbell_round_trip_eof_and_timeout():
     listener.close()
     with pytest.raises(DoorbellError, match="cannot reach"):
         Doorbell.connect(listener.address, 1.0)
+
+
+@pytest.mark.parametrize("nbytes", [1000, (8 << 20) + 13, (40 << 20) + 7])
+def test_cpu_staging_copy_is_exact_on_every_path(nbytes):
+    """Small copies take numpy's memcpy, large ones the multi-threaded one (uneven slices)."""
+    device = get_device("cpu")
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.zeros(nbytes + 64, dtype=torch.uint8)
+    device.copy_bytes(dst[32 : 32 + nbytes], src)
+    assert torch.equal(dst[32 : 32 + nbytes], src)
+    assert not dst[:32].any() and not dst[32 + nbytes :].any()  # nothing written outside
+
+
+def test_host_copy_refuses_overlap_and_size_mismatch():
+    from vllm_ascend_rl import _host
+
+    buf = torch.zeros(16 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="overlap"):
+        _host.copy(buf.data_ptr() + 1, buf.data_ptr(), 8 << 20, 2)
+    with pytest.raises(ValueError, match="null"):
+        _host.copy(0, buf.data_ptr(), 8, 2)
+    with pytest.raises(ValueError, match="bytes into"):
+        get_device("cpu").copy_bytes(buf[: 9 << 20], buf[10 << 20 :])

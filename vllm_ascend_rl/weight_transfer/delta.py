@@ -65,9 +65,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernels():
-    from vllm_ascend_rl import _delta
+    from vllm_ascend_rl import _host
 
-    return _delta
+    return _host
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ def changed(
     """``(indices, values)`` of the elements of ``new`` whose bits differ from ``base``
     (increasing indices of ``index_dtype``; values in host memory), or None when more than
     ``limit`` (default: ``sparse_limit``, beyond which the whole tensor is cheaper) differ.
-    One pass of ``_delta.diff``, which stops as soon as the answer is None."""
+    One pass of ``_host.diff``, which stops as soon as the answer is None."""
     new, base = _host(new), _host(base)
     if new.numel() != base.numel() or new.dtype != base.dtype:
         raise ValueError("changed() needs two tensors of one size and dtype")
