@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 
 import requests
 import torch
@@ -80,24 +79,17 @@ def trainer_engine(backend: str, url: str, model: torch.nn.Module, **init):
     )
 
 
-def e2e_s(engine, repeats: int) -> float:
-    """Median seconds of ``send_weights()`` end to end (after one warm-up)."""
-    engine.send_weights()
-    return statistics.median(engine.send_weights().seconds for _ in range(repeats))
-
-
-def transport_s(engine, url: str) -> float:
+def transport_s(engine, url: str, keep: bool = False) -> float:
     """Trainer-side seconds of one update's data plane with a receiver that does not load:
     the engine runs the same handshake and receive (or copy-out) path, minus layerwise
-    reload (the engines' public transport probes)."""
+    reload (the engines' public transport probes). ``keep``: the engine keeps the buckets
+    for :func:`load_only_s`."""
 
     def receive(payload: dict) -> None:
+        kwargs = {"update_info": json.dumps(payload), "keep": "1" if keep else ""}
         r = requests.post(
             url + "/collective_rpc",
-            json={
-                "method": "bench_receive_discard",
-                "kwargs": {"update_info": json.dumps(payload)},
-            },
+            json={"method": "bench_receive_discard", "kwargs": kwargs},
             timeout=600,
         )
         r.raise_for_status()
@@ -105,6 +97,11 @@ def transport_s(engine, url: str) -> float:
     return engine.send_transport_only(receive)
 
 
-def median_transport_s(engine, url: str, repeats: int) -> float:
-    transport_s(engine, url)  # warm-up
-    return statistics.median(transport_s(engine, url) for _ in range(repeats))
+def load_only_s(url: str) -> float:
+    """Engine-side seconds to load the buckets kept by ``transport_s(keep=True)`` through the
+    update's loading path, nothing received (the slowest worker)."""
+    r = requests.post(
+        url + "/collective_rpc", json={"method": "bench_load_only", "kwargs": {}}, timeout=600
+    )
+    r.raise_for_status()
+    return max(float(x) for x in r.json()["results"])  # the route stringifies results

@@ -1,7 +1,8 @@
 """Worker extension for benchmarks (``--worker-extension-cls``), reached through
 ``POST /collective_rpc`` (string arguments): transfers on the weight-transfer engine's own
-connection that skip loading, so a benchmark separates the transport from vLLM's layerwise
-reload. Public hooks only: the engine's ``channel`` and ``receive_transport_only``."""
+connection that skip loading, and loads that skip the transport, so a benchmark separates
+the transport from vLLM's layerwise reload. Public hooks only: the engine's ``channel``,
+``receive_transport_only`` and ``load_only``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class WeightSyncBenchExtension:
         engine.channel.wait(engine.channel.broadcast(buf), "raw benchmark broadcast")
         return time.perf_counter() - t0
 
-    def bench_receive_discard(self, update_info: str) -> float:
-        """One update's handshake and every bucket received, nothing loaded; seconds."""
-        return self.weight_transfer_engine.receive_transport_only(json.loads(update_info))
+    def bench_receive_discard(self, update_info: str, keep: str = "") -> float:
+        """One update's handshake and every bucket received, nothing loaded; seconds.
+        ``keep`` (non-empty): keep the buckets for :meth:`bench_load_only`."""
+        engine = self.weight_transfer_engine
+        return engine.receive_transport_only(json.loads(update_info), keep=bool(keep))
+
+    def bench_load_only(self) -> float:
+        """The kept buckets through the update's loading path, nothing received; seconds."""
+        return self.weight_transfer_engine.load_only()
