@@ -3,21 +3,23 @@
 Two vLLM servers on a ~210 MB bf16 model, HCCL weight transfer, one core each; the trainer is
 this script, with one HCCL group per server (see README "Deployment"). In one run:
 
-  pause idle ms   ``EngineControlClient(urls).pause("keep")`` on idle engines (median)
-  pause gen ms    the same while every engine streams requests (median of 3 swaps)
-  sync s          ``send_weights()`` to each engine, one after the other (median)
-  2 / 1           the two-engine figure over the one-engine figure
+  pause idle ms   ``EngineControlClient(urls).pause("keep")`` on idle engines
+  pause gen ms    the same while every engine streams requests
+  sync s          ``send_weights()`` to each engine, one after the other
+  2 / 1           the two-engine figure over the one-engine figure, per round
 
-    PYTHONPATH=. python benchmarks/scale_out.py [--repeats 5]
+1 and 2 engines are measured in interleaved rounds (benchmarks/rounds.py); no targets.
+
+    PYTHONPATH=. python benchmarks/scale_out.py [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 from bench_common import MEDIUM_SPEC, model_bytes, trainer_engine
+from rounds import MIN_ROUNDS, interleaved, median, spread
 
 import vllm_ascend_rl
 from tests.support import (
@@ -33,40 +35,31 @@ from vllm_ascend_rl.client import EngineControlClient
 SPEC = MEDIUM_SPEC
 
 
-def pause_idle_ms(urls: list[str], repeats: int) -> float:
+def pause_idle_ms(urls: list[str]) -> float:
     ctl = EngineControlClient(urls)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        ctl.pause("keep")
-        times.append((time.perf_counter() - t0) * 1e3)
-        ctl.resume()
-    return statistics.median(times)
+    t0 = time.perf_counter()
+    ctl.pause("keep")
+    ms = (time.perf_counter() - t0) * 1e3
+    ctl.resume()
+    return ms
 
 
-def pause_generating_ms(urls: list[str], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        out = swap_mid_generation(urls, lambda: None, max_tokens=300)
-        assert not out.problems, out.problems
-        times.append(out.pause_ms)
-    return statistics.median(times)
+def pause_generating_ms(urls: list[str]) -> float:
+    out = swap_mid_generation(urls, lambda: None, max_tokens=300)
+    assert not out.problems, out.problems
+    return out.pause_ms
 
 
-def sync_s(trainers: list, repeats: int) -> float:
-    def once() -> float:
-        t0 = time.perf_counter()
-        for t in trainers:
-            t.send_weights()
-        return time.perf_counter() - t0
-
-    once()  # warm-up
-    return statistics.median(once() for _ in range(repeats))
+def sync_s(trainers: list) -> float:
+    t0 = time.perf_counter()
+    for t in trainers:
+        t.send_weights()
+    return time.perf_counter() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS)
     args = ap.parse_args()
     vllm_ascend_rl.register()
     path = build_tiny_model(SPEC)
@@ -84,21 +77,41 @@ def main() -> None:
     with serving(*servers):
         urls = [s.url for s in servers]
         trainers = [trainer_engine("ascend_rl_hccl", u, model) for u in urls]
-        rows = {}
-        for n in (1, 2):
-            rows[n] = (
-                pause_idle_ms(urls[:n], args.repeats),
-                pause_generating_ms(urls[:n], 3),
-                sync_s(trainers[:n], args.repeats),
-            )
+        for t in trainers:
+            t.send_weights()  # warm both sides' buffers
+
+        def step(n: int):
+            def run() -> tuple[float, float, float]:
+                return (
+                    pause_idle_ms(urls[:n]),
+                    pause_generating_ms(urls[:n]),
+                    sync_s(trainers[:n]),
+                )
+
+            return run
+
+        runs = interleaved({1: step(1), 2: step(2)}, args.rounds)
         for t in trainers:
             t.shutdown()
-    print("\n| engines | pause idle ms | pause generating ms | sync s |")
+    columns = ("pause idle ms", "pause generating ms", "sync s")
+    print(f"\n1 vs 2 engines, {args.rounds} interleaved rounds (median ±spread)\n")
+    print("| engines | " + " | ".join(columns) + " |")
     print("|---|---|---|---|")
-    for n, (idle, gen, sync) in rows.items():
-        print(f"| {n} | {idle:.1f} | {gen:.1f} | {sync:.3f} |")
-    ratios = [rows[2][i] / rows[1][i] for i in range(3)]
-    print(f"| 2 / 1 | {ratios[0]:.2f}x | {ratios[1]:.2f}x | {ratios[2]:.2f}x |")
+    formats = (".1f", ".1f", ".3f")
+    for n in (1, 2):
+        cells = [[r[i] for r in runs[n]] for i in range(3)]
+        print(
+            f"| {n} | "
+            + " | ".join(
+                f"{median(c):{f}} ±{spread(c):{f}}" for c, f in zip(cells, formats, strict=True)
+            )
+            + " |"
+        )
+    ratios = []
+    for i in range(3):
+        per_round = [b[i] / a[i] for a, b in zip(runs[1], runs[2], strict=True)]
+        ratios.append(f"{median(per_round):.2f}x ±{spread(per_round):.2f}")
+    print("| 2 / 1 | " + " | ".join(ratios) + " |")
 
 
 if __name__ == "__main__":
