@@ -151,16 +151,15 @@ def test_receive_pool_evicts_buffers_of_different_sizes():
     assert [b.numel() for b, _ in pool.buffers] == [2500]
 
 
-def test_receive_pool_on_a_device_is_given_back_after_every_update():
-    """ascend-review D7: device memory taken after KV sizing must not outlive the update."""
+def test_receive_pool_is_given_back_after_every_update_and_reports_its_peak():
+    """Device memory taken after KV sizing must not outlive the update (D7, N13); the peak
+    counts buffers the pool handed out but could not keep."""
     from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 
-    kept = ReceivePool(torch.device("cpu"), max_bytes=3000)
-    given_back = ReceivePool(torch.device("cpu"), max_bytes=3000, keep_between_updates=False)
-    for pool in (kept, given_back):
-        in_use = [pool.take(1000), pool.take(1000)]  # two buckets in flight
+    pool = ReceivePool(torch.device("cpu"), max_bytes=2000)
+    in_use = [pool.take(1000), pool.take(1000), pool.take(1000)]  # the third is not kept
+    assert pool.peak_bytes == 3000
     del in_use
-    assert kept.end_update() == (2000, 2000)  # host pages: warm for the next update
-    assert given_back.end_update() == (2000, 0) and given_back.buffers == []
-    kept.take(1000)  # reused, nothing new allocated
-    assert kept.end_update() == (0, 2000)
+    pool.take(1000)  # a kept buffer, reused: nothing new
+    assert pool.end_update() == (3000, 3000) and pool.buffers == []
+    assert pool.end_update() == (0, 0)

@@ -185,3 +185,63 @@ def test_a_collective_that_trails_the_peers_http_answer_still_completes():
 
     trainer, engine = run_ranks(2, body)
     assert trainer == ((False, True), None) and engine == ((False, True), None)
+
+
+def test_a_device_sync_waits_behind_a_queued_collective_until_it_completes():
+    """Stand-in for the NPU (N3): a device-wide synchronize waits for a collective still
+    queued on the device, here a broadcast the trainer has not joined yet."""
+    from vllm_ascend_rl.device.cpu import CpuDevice
+
+    joined = threading.Event()
+    synced: list[bool] = []
+
+    def body(ch):
+        t = torch.zeros(4, dtype=torch.int64)
+        if ch.rank == 1:
+            ch.device = CpuDevice(1)  # a chip of its own
+            work = ch.broadcast(t)
+            sync = threading.Thread(target=ch.device.synchronize)
+            sync.start()
+            sync.join(1.0)
+            synced.append(not sync.is_alive())  # still waiting: the broadcast is queued
+            joined.set()
+            sync.join(10)
+            synced.append(not sync.is_alive())
+            ch.wait(work, "payload")
+            return t.tolist()
+        joined.wait(10)
+        t.fill_(3)
+        ch.wait(ch.broadcast(t), "payload")
+        return None
+
+    _, received = run_ranks(2, body)
+    assert synced == [False, True] and received == [3] * 4
+
+
+def test_an_unjoined_refusal_holds_device_syncs_only_until_the_exec_timeout():
+    """[N9] On NPU an unjoined refusal breaks the channel and the connection is closed, but
+    the all-reduce stays queued on the device: the communicator's exec timeout (timeout_s,
+    rounded up) bounds how long device-wide syncs wait behind it, not HCCL_EXEC_TIMEOUT."""
+    from vllm_ascend_rl.device.cpu import CpuDevice
+
+    class NpuLikeCpu(CpuDevice):
+        collective_may_stay_pending = False
+
+    done = threading.Event()
+
+    def body(ch):
+        if ch.rank == 1:
+            ch.device = NpuLikeCpu(1)
+            try:
+                t0 = time.monotonic()
+                ch.refuse(5, "update handshake", grace_s=0.2)
+                ch.close()
+                ch.device.synchronize()
+                return time.monotonic() - t0, ch.broken
+            finally:
+                done.set()
+        done.wait(20)  # the trainer stays up but never joins
+        return None
+
+    _, (waited, broken) = run_ranks(2, body, timeout_s=2.0)
+    assert broken and waited < 2.0 + 1.0

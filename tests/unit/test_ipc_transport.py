@@ -25,7 +25,6 @@ def shm_path(handle: dict) -> str:
 def test_segments_are_private_randomly_named_and_shared():
     a, b = CPU.create_ipc_buffer(4096), CPU.create_ipc_buffer(4096)
     try:
-        assert a.handle["name"] != b.handle["name"]
         assert stat.S_IMODE(os.stat(shm_path(a.handle)).st_mode) == 0o600
         a.tensor[:] = torch.arange(4096) % 251
         mapped = CPU.open_ipc_buffer(a.handle)
@@ -35,8 +34,55 @@ def test_segments_are_private_randomly_named_and_shared():
         mapped.close()
     finally:
         a.close()
+        assert os.path.exists(shm_path(b.handle))  # b's block still holds the segment
         b.close()
     assert not os.path.exists(shm_path(a.handle))
+
+
+@pytest.mark.parametrize(
+    "slot, per_segment",
+    [(128 << 10, 16), (1 << 20, 2), (8 << 20, 2), (12 << 20, 1)],
+    ids=["128KiB", "1MiB", "8MiB", "12MiB"],
+)
+def test_ring_slots_share_segments_as_the_caching_allocator_serves_them(slot, per_segment):
+    """[N2] Small slots come from one 2 MiB segment, slots up to 10 MiB from one 20 MiB
+    segment (torch_npu's get_allocation_size), so their handles name the same segment with
+    different offsets. An importer that caches mappings by handle id, as the NPU-IPC engine
+    does, must still see every slot's own bytes: the id carries the offset."""
+    ring = [CPU.create_ipc_buffer(slot) for _ in range(4)]
+    try:
+        names = [b.handle["name"] for b in ring]
+        assert len(set(names)) == -(-4 // per_segment)
+        assert len({(b.handle["name"], b.handle["offset"]) for b in ring}) == 4
+        for i, buf in enumerate(ring):
+            buf.tensor.fill_(i + 1)
+        mapped: dict[str, object] = {}
+        for buf in ring:
+            if buf.handle["id"] not in mapped:
+                mapped[buf.handle["id"]] = CPU.open_ipc_buffer(buf.handle)
+        for i, buf in enumerate(ring):
+            seen = mapped[buf.handle["id"]].tensor
+            assert seen.numel() == slot and bool((seen == i + 1).all()), f"slot {i}"
+        for m in mapped.values():
+            m.close()
+    finally:
+        for buf in ring:
+            buf.close()
+    assert not any(os.path.exists("/dev/shm/" + n) for n in names)
+
+
+def test_an_unlinked_segment_is_not_carved_from_again():
+    """After the trainer unlinks its ring (every engine mapped it), a new buffer must come
+    from a segment an importer can still open."""
+    first = CPU.create_ipc_buffer(4096)
+    first.unlink()
+    second = CPU.create_ipc_buffer(4096)
+    try:
+        assert second.handle["name"] != first.handle["name"]
+        CPU.open_ipc_buffer(second.handle).close()
+    finally:
+        first.close()
+        second.close()
 
 
 def test_unlink_keeps_existing_mappings_but_refuses_new_ones():
@@ -96,6 +142,8 @@ def test_size_and_location_are_checked():
     try:
         with pytest.raises(IpcHandleError, match=r"holds .* bytes, handle says"):
             CPU.open_ipc_buffer({**buf.handle, "nbytes": 1 << 30})
+        with pytest.raises(IpcHandleError, match="malformed shared-memory handle: offset"):
+            CPU.open_ipc_buffer({**buf.handle, "offset": -1})
         far = {**buf.handle, "location": {**buf.handle["location"], "host": "b", "chip": "3"}}
         with pytest.raises(IpcHandleError, match="trainer on chip 3 of host b, engine on chip"):
             CPU.open_ipc_buffer(far)

@@ -66,6 +66,17 @@ class ImportedBuffer:
         self._release()
 
 
+def ipc_buffer_id(segment: bytes, offset: int) -> str:
+    """The identity of an exported buffer: its segment's IPC handle *and* its offset in it.
+    An NPU IPC handle names the caching allocator's segment, not the block (the offset travels
+    beside it, torch_npu ``shareIpcHandle``), so blocks of one segment share a handle; torch
+    keys its own cache of opened handles on the pair too (``reductions.py:51-53`` in
+    torch_npu 2.10.0.post4)."""
+    import hashlib
+
+    return hashlib.sha256(segment + b"@" + str(offset).encode()).hexdigest()[:32]
+
+
 def host_identity() -> dict[str, str]:
     """This host, as two processes on it must agree: hostname and kernel boot id."""
     import socket
@@ -101,10 +112,6 @@ class Device(ABC):
     # Whether a collective may stay pending for long (a refusal no trainer joined yet, see
     # BroadcastChannel.refuse) without blocking anything else on the device.
     collective_may_stay_pending: bool = False
-    # Whether the weight-transfer receive pool stays allocated between updates (see
-    # ReceivePool): worth it for host pages, whose first touch is slow; not for device memory
-    # that vLLM's KV-cache sizing never counted.
-    keeps_receive_pool: bool = True
 
     def __init__(self, index: int = 0) -> None:
         # The device this object serves: an NPU's logical index (the current device is per
@@ -117,10 +124,15 @@ class Device(ABC):
     def torch_device(self) -> torch.device: ...
 
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device queues work)
-        """Wait for queued device work (no-op on CPU)."""
+        """Wait for all work queued on this device by this process, collectives included."""
+
+    def collective_issued(self, work: Any, exec_timeout_s: float) -> None:  # noqa: B027
+        """A collective was queued on this device; it stays queued until it completes or
+        ``exec_timeout_s`` passes. The NPU tracks this itself; the CPU stand-in records it."""
 
     def empty_cache(self) -> None:  # noqa: B027 (nothing to do unless the device caches)
-        """Return memory that the process's allocators cache but no longer use."""
+        """Return memory that the process's allocators cache but no longer use. Device-wide:
+        it synchronizes first, so never call it while a collective may hang."""
 
     @abstractmethod
     def memory_in_use(self) -> int:
@@ -225,4 +237,5 @@ __all__ = [
     "device_for",
     "device_kind",
     "get_device",
+    "ipc_buffer_id",
 ]

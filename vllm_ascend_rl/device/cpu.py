@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
 import secrets
+import threading
+import time
 from functools import cache
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -19,6 +22,7 @@ from vllm_ascend_rl.device import (
     ImportedBuffer,
     IpcHandleError,
     check_same_location,
+    ipc_buffer_id,
 )
 
 SHM_PREFIX = "vllm_ascend_rl_"
@@ -40,6 +44,18 @@ class CpuDevice(Device):
     kind = "cpu"
     collective_backend = "gloo"
     collective_may_stay_pending = True  # gloo runs it on a host thread of its own
+
+    def __init__(self, index: int = 0) -> None:
+        super().__init__(index)
+        self._carver = SegmentCarver()
+        self._queued = QueuedCollectives()
+        atexit.register(self._queued.drain)  # torch_npu synchronizes used devices at exit
+
+    def collective_issued(self, work: Any, exec_timeout_s: float) -> None:
+        self._queued.add(work, exec_timeout_s)
+
+    def synchronize(self) -> None:
+        self._queued.drain()
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -75,6 +91,7 @@ class CpuDevice(Device):
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def empty_cache(self) -> None:
+        self._queued.drain()  # torch_npu's emptyCache synchronizes the device first
         # glibc keeps freed chunks below its (dynamic, up to 32 MiB) mmap threshold in its
         # arenas; malloc_trim hands them back to the kernel.
         try:
@@ -91,36 +108,13 @@ class CpuDevice(Device):
 
     # -- IPC over POSIX shared memory ------------------------------------------------------
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
-        """A segment under a random name, mode 0600 (Python's default for new segments)."""
-        name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
-        shm = shared_memory.SharedMemory(name=name, create=True, size=max(nbytes, 1))
-        linked = [True]
-
-        def unlink() -> None:
-            if linked[0]:
-                linked[0] = False
-                shm.unlink()  # also unregisters it from this process's resource tracker
-
-        def release() -> None:
-            _close(shm)
-            unlink()
-
-        tensor = (
-            torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        handle = {
-            "kind": "shm",
-            "id": name,
-            "name": name,
-            "nbytes": nbytes,
-            "location": self.location(),
-        }
-        return ExportedBuffer(tensor, handle, unlink, release)
+        """A block carved from a shared segment, as torch_npu's caching allocator serves
+        ``torch.empty`` (see :class:`SegmentCarver`): the handle names the segment and carries
+        the block's offset separately, so several buffers can share one segment name."""
+        return self._carver.carve(nbytes, self.location())
 
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
-        name, nbytes = _checked_shm_handle(handle)
+        name, offset, nbytes = _checked_shm_handle(handle)
         check_same_location(handle.get("location"), self.location())
         try:
             shm = _attach(name)
@@ -129,24 +123,154 @@ class CpuDevice(Device):
                 f"shared-memory segment {name!r} does not exist (the trainer exited, or it "
                 "was unlinked before this engine mapped it)"
             ) from None
-        if shm.size < nbytes:
+        if shm.size < offset + nbytes:
             _close(shm)
-            raise IpcHandleError(f"segment {name!r} holds {shm.size} bytes, handle says {nbytes}")
-        tensor = torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes)
+            raise IpcHandleError(
+                f"segment {name!r} holds {shm.size} bytes, handle says {nbytes} at offset {offset}"
+            )
+        tensor = (
+            torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         return ImportedBuffer(tensor, lambda: _close(shm))
 
 
-def _checked_shm_handle(handle: Any) -> tuple[str, int]:
+class QueuedCollectives:
+    """The stand-in for collectives queued on an NPU's HCCL stream. A gloo collective runs
+    on a host thread and gives up on a dead peer by itself; an HCCL one is a device task that
+    stays queued until it completes or the communicator's exec timeout passes, failed or not,
+    and a device-wide synchronize waits for it: ``torch.npu.synchronize``, ``emptyCache``
+    (which starts with ``npuSynchronizeDevice``, NPUCachingAllocator.cpp:1651-1660 in
+    2.10.0.post4) and the exit sync (``npuSynchronizeUsedDevices``). So on CPU too, a collective
+    that did not succeed holds :meth:`drain` until its exec deadline."""
+
+    def __init__(self) -> None:
+        self._works: list[tuple[Any, float]] = []  # (work, exec deadline)
+        self._lock = threading.Lock()
+
+    def add(self, work: Any, exec_timeout_s: float) -> None:
+        with self._lock:
+            self._works = [w for w in self._works if _queued(*w)]
+            self._works.append((work, time.monotonic() + exec_timeout_s))
+
+    def drain(self) -> None:
+        """Return once no collective is queued: each has succeeded or reached its deadline."""
+        while True:
+            with self._lock:
+                self._works = [w for w in self._works if _queued(*w)]
+                if not self._works:
+                    return
+            time.sleep(0.01)
+
+
+def _queued(work: Any, deadline: float) -> bool:
+    if time.monotonic() >= deadline:
+        return False
+    return not (work.is_completed() and work.exception() is None)
+
+
+# torch_npu's caching allocator (2.10.0.post4): sizes round up to 512 bytes
+# (NPUCachingAllocator.cpp:95 kMinBlockSize); up to 1 MiB comes from 2 MiB segments, up to
+# 10 MiB from 20 MiB segments, larger sizes get a segment of their own rounded up to 2 MiB
+# (get_allocation_size, :2536-2545; kSmallBuffer/kLargeBuffer, NPUAllocatorConfig.h:45-46).
+MIN_BLOCK = 512
+SMALL_SIZE, SMALL_SEGMENT = 1 << 20, 2 << 20
+MIN_LARGE_ALLOC, LARGE_SEGMENT = 10 << 20, 20 << 20
+ROUND_LARGE = 2 << 20
+
+
+def segment_size(nbytes: int) -> int:
+    if nbytes <= SMALL_SIZE:
+        return SMALL_SEGMENT
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_SEGMENT
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+class _Segment:
+    def __init__(self, size: int) -> None:
+        self.name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
+        self.shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
+        self.size, self.used, self.blocks = size, 0, 0
+        self.linked = True
+
+    def unlink(self) -> None:
+        if self.linked:
+            self.linked = False
+            self.shm.unlink()  # also unregisters it from this process's resource tracker
+
+
+class SegmentCarver:
+    """The stand-in for torch_npu's caching allocator under NPU IPC: blocks are carved from
+    shared segments of the allocator's sizes, and an exported handle names the segment with
+    the block's offset beside it, as ``shareIpcHandle`` exports the *base allocation* of a
+    block (NPUCachingAllocator.cpp:1557-1586 in 2.10.0.post4). So ring slots share a segment
+    name exactly where they would share an NPU IPC handle, and an importer that keyed its
+    mappings by the segment alone would read the wrong slot, as it would on an NPU.
+
+    A segment is carved from until it is unlinked (then no new importer could reach a new
+    block) and is closed and unlinked once its last block is released."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, _Segment] = {}  # segment size -> the segment carved from now
+        self._lock = threading.Lock()
+
+    def carve(self, nbytes: int, location: dict[str, str]) -> ExportedBuffer:
+        block = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+        size = segment_size(block)
+        with self._lock:
+            seg = self._open.get(size)
+            if seg is None or not seg.linked or seg.used + block > seg.size:
+                seg = self._open[size] = _Segment(size)
+            offset = seg.used
+            seg.used += block
+            seg.blocks += 1
+        released = [False]
+
+        def release() -> None:
+            with self._lock:
+                if released[0]:
+                    return
+                released[0] = True
+                seg.blocks -= 1
+                if seg.blocks:
+                    return
+                if self._open.get(size) is seg:
+                    del self._open[size]
+            _close(seg.shm)
+            seg.unlink()
+
+        tensor = (
+            torch.frombuffer(seg.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        handle = {
+            "kind": "shm",
+            "id": ipc_buffer_id(seg.name.encode(), offset),
+            "name": seg.name,
+            "offset": offset,
+            "nbytes": nbytes,
+            "location": location,
+        }
+        return ExportedBuffer(tensor, handle, seg.unlink, release)
+
+
+def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
     if not isinstance(handle, dict) or handle.get("kind") != "shm":
         raise IpcHandleError(f"not a shared-memory handle: {handle!r}")
     name, nbytes = handle.get("name"), handle.get("nbytes")
+    offset = handle.get("offset", 0)
     if not isinstance(name, str) or not _SHM_NAME.match(name):
         # Only our own segments may be opened: a handle naming another process's segment
         # would otherwise map it.
         raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise IpcHandleError(f"malformed shared-memory handle: nbytes {nbytes!r}")
-    return name, nbytes
+    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+        raise IpcHandleError(f"malformed shared-memory handle: offset {offset!r}")
+    return name, offset, nbytes
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

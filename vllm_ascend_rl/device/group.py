@@ -16,6 +16,7 @@ The group is not entered in ``torch.distributed``'s global tables: callers use i
 from __future__ import annotations
 
 import ipaddress
+import math
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
     from vllm_ascend_rl.device import Device
 
 GROUP_NAME = "vllm_ascend_rl_weights"
+
+
+def exec_timeout_s(timeout_s: float) -> int:
+    """How long a collective of our group may stay queued on the device, in whole seconds:
+    ``timeout_s`` rounded up. On NPU this is the communicator's own HCCL exec timeout
+    (``hccl_config["hccl_exec_timeout"]``), so a broadcast hung on a dead trainer leaves the
+    HCCL stream about when our deadline gives up on it, instead of after HCCL_EXEC_TIMEOUT
+    (1836 s by default); until then every device-wide synchronize waits behind it."""
+    return max(1, math.ceil(timeout_s))
 
 
 def tcp_uri(host: str, port: int) -> str:

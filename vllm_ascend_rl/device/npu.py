@@ -9,7 +9,6 @@ through :mod:`vllm_ascend_rl.device.cpu`.
 from __future__ import annotations
 
 import base64
-import hashlib
 import os
 import re
 from contextlib import contextmanager
@@ -26,7 +25,9 @@ from vllm_ascend_rl.device import (
     IpcHandleError,
     check_same_location,
     host_identity,
+    ipc_buffer_id,
 )
+from vllm_ascend_rl.device.group import exec_timeout_s
 
 # torch_npu v2.10.0 ProcessGroupHCCL.hpp:238-242: enum class WatchdogStatus {INIT, RUN, STOP}.
 _WATCHDOG_STOP = 2
@@ -98,7 +99,6 @@ class NpuDevice(Device):
     # HCCL_EXEC_TIMEOUT. Pending, it would block any device-wide synchronize, and vllm-ascend
     # syncs the device (model_runner_v1.py:590 _sync_device, worker.py:857/877 @182b75e).
     collective_may_stay_pending = False
-    keeps_receive_pool = False  # HBM beyond the KV-cache budget (ascend-review D7)
 
     def __init__(self, index: int = 0) -> None:
         _torch_npu()
@@ -147,9 +147,16 @@ class NpuDevice(Device):
         options.group_id = group_id  # as netloader: the rendezvous, the same on every rank
         # As vllm-ascend bounds its own groups' buffers (vllm_ascend/utils.py:960-991): MB.
         # HCCL's communicator name: the same rendezvous, in plain characters (vllm-ascend's
-        # own names are words like "dp").
+        # own names are words like "dp"). The exec timeout (seconds, an int;
+        # ProcessGroupHCCL.cpp:3998-4013 in 2.10.0.post4) bounds how long a collective hung on
+        # a dead peer stays on the HCCL stream, where it would hold every device-wide
+        # synchronize, empty_cache and the exit sync until HCCL_EXEC_TIMEOUT (1836 s, :77).
         comm_name = re.sub(r"[^A-Za-z0-9_]+", "_", group_id).strip("_")
-        options.hccl_config = {"hccl_buffer_size": HCCL_BUFFER_MB, "group_name": comm_name}
+        options.hccl_config = {
+            "hccl_buffer_size": HCCL_BUFFER_MB,
+            "group_name": comm_name,
+            "hccl_exec_timeout": exec_timeout_s(timeout_s),
+        }
         hccl = ProcessGroupHCCL(store, rank, world_size, options)
         hccl.set_watchdog_status(_WATCHDOG_STOP)
         return GroupBackend(
@@ -207,7 +214,7 @@ class NpuDevice(Device):
         ) = args
         handle = {
             "kind": "npu_ipc",
-            "id": hashlib.sha256(storage_handle).hexdigest()[:32],
+            "id": ipc_buffer_id(storage_handle, int(storage_offset)),
             "nbytes": nbytes,
             "location": self.location(),
             "storage_handle": _b64(storage_handle),

@@ -24,7 +24,7 @@ import torch
 from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
 
 from vllm_ascend_rl.device import Device
-from vllm_ascend_rl.device.group import open_group
+from vllm_ascend_rl.device.group import exec_timeout_s, open_group
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -129,6 +129,7 @@ class BroadcastChannel:
 
     def _issued(self, work):
         self._started[id(work)] = time.monotonic()
+        self.device.collective_issued(work, exec_timeout_s(self.timeout_s))
         return work
 
     def wait(self, work, what: str, poll: Poll | None = None) -> None:

@@ -66,8 +66,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
             raise ValueError(refusal)
         self.init_info = None
         self.reload = LayerwiseReload()
-        # Sized at init from the wire params; kept between updates on the host only (D7).
-        self.pool = ReceivePool(device, 0, keep_between_updates=self.hw.keeps_receive_pool)
+        # Sized at init from the wire params; given back after every update.
+        self.pool = ReceivePool(device, 0)
         self._expected = None
         self._expected_loaded = False
         self._guard = None  # forward pre-hook while an update is open
@@ -245,15 +245,21 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         )
 
     def _end_pool(self) -> None:
-        """Count what the receive pool took; give it back where it is not kept (device)."""
-        allocated, kept = self.pool.end_update()
-        if allocated and not self.pool.keep_between_updates:
+        """Give the receive pool back and log what it took.
+
+        The device's cache is emptied only after an update that completed. ``empty_cache`` is
+        a device-wide synchronize: after a failure it would wait for a broadcast still queued
+        on a dead trainer (until the communicator's exec timeout), so the failure paths close
+        the connection first and leave the freed blocks to the next update's ``empty_cache``.
+        """
+        allocated, peak = self.pool.end_update()
+        if allocated and self._received:
             self.hw.empty_cache()  # released blocks go back to the device, not the allocator
         logger.info(
-            "receive pool: %.1f MiB allocated by this update, %.1f MiB kept until the next "
+            "receive pool: %.1f MiB allocated by this update, peak %.1f MiB of device memory "
             "(bound %.1f MiB)",
             allocated / 2**20,
-            kept / 2**20,
+            peak / 2**20,
             self.pool.max_bytes / 2**20,
         )
 
@@ -303,8 +309,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         try:
             reason = self._agree(refusal, specs, update_info)
         except Exception as e:
+            self._disconnect()  # first: nothing may wait behind a collective on a dead peer
             self._abort_update()
-            self._disconnect()
             if refusal is not None:
                 raise WeightUpdateRefused(
                     f"refused weight update, model unchanged: {refusal}"
@@ -325,8 +331,8 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
                 received += bucket.nbytes
                 del buf  # a transport may check that nothing refers to its buffer any more
         except Exception as e:
+            self._disconnect()  # first: nothing may wait behind a collective on a dead peer
             state = self._abort_update()
-            self._disconnect()
             raise RuntimeError(
                 f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
                 f"({type(e).__name__}: {e}); {state}. Call init_weight_transfer_engine "

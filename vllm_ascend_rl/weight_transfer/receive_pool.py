@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -25,19 +27,18 @@ class ReceivePool:
     faults made a copy into a new 256 MiB buffer 6x slower than into a warm one (180 vs 30 ms).
     The pool keeps at most ``max_bytes``; :meth:`release` gives them back.
 
-    Between updates the pool is kept only where that pays (``keep_between_updates``: host
-    memory). Device memory allocated after vLLM sized the KV cache is outside its budget, and
-    aclrtMalloc does not touch pages, so on an accelerator :meth:`end_update` gives the pool
-    back after every update (ascend-review D7).
+    The pool lives for one update: device memory allocated after vLLM sized the KV cache is
+    outside its budget, so :meth:`end_update` gives every buffer back (the same on the CPU
+    stand-in, so CI runs the device's policy). ``peak_bytes`` is the most the pool's buffers
+    held at once during the update, including buffers it handed out but could not keep.
     """
 
-    def __init__(
-        self, device: torch.device, max_bytes: int, keep_between_updates: bool = True
-    ) -> None:
+    def __init__(self, device: torch.device, max_bytes: int) -> None:
         self.device, self.max_bytes = device, max_bytes
-        self.keep_between_updates = keep_between_updates
         self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
         self.allocated_bytes = 0  # fresh memory taken since the last end_update
+        self.peak_bytes = 0  # most bytes alive at once since the last end_update
+        self._alive: list[tuple[weakref.ref, int]] = []  # every buffer of this update
 
     @property
     def nbytes(self) -> int:
@@ -51,6 +52,9 @@ class ReceivePool:
             return min(fitting, key=lambda b: b.numel())[:nbytes]
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocated_bytes += nbytes
+        self._alive = [(ref, n) for ref, n in self._alive if ref() is not None]
+        self._alive.append((weakref.ref(buf), nbytes))
+        self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._alive))
         idle = storage_use_count(buf)
         if idle is not None:
             for victim, _ in sorted(idle_entries, key=lambda e: e[0].numel()):
@@ -67,8 +71,9 @@ class ReceivePool:
         self.buffers.clear()
 
     def end_update(self) -> tuple[int, int]:
-        """An update ended: (bytes it allocated, bytes kept for the next one)."""
+        """An update ended: give every buffer back; (bytes it allocated, peak bytes)."""
         allocated, self.allocated_bytes = self.allocated_bytes, 0
-        if not self.keep_between_updates:
-            self.release()
-        return allocated, self.nbytes
+        peak, self.peak_bytes = self.peak_bytes, 0
+        self._alive = []
+        self.release()
+        return allocated, peak
