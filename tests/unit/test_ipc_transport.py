@@ -41,12 +41,13 @@ def test_segments_are_private_randomly_named_and_shared():
 
 @pytest.mark.parametrize(
     "slot, per_segment",
-    [(128 << 10, 16), (1 << 20, 2), (8 << 20, 2), (12 << 20, 1)],
+    [(128 << 10, 15), (1 << 20, 19), (8 << 20, 2), (12 << 20, 1)],
     ids=["128KiB", "1MiB", "8MiB", "12MiB"],
 )
 def test_ring_slots_share_segments_as_the_caching_allocator_serves_them(slot, per_segment):
-    """[N2] Small slots come from one 2 MiB segment, slots up to 10 MiB from one 20 MiB
-    segment (torch_npu's get_allocation_size), so their handles name the same segment with
+    """[N2] Small slots (with a 32-byte pad) come from one 2 MiB segment, larger ones up to
+    10 MiB from one 20 MiB segment (torch_npu's get_allocation_size), so their handles name
+    the same segment with
     different offsets. An importer that caches mappings by handle id, as the NPU-IPC engine
     does, must still see every slot's own bytes: the id carries the offset."""
     ring = [CPU.create_ipc_buffer(slot) for _ in range(4)]

@@ -105,6 +105,23 @@ def test_refuses_vllm_ascends_own_sleep_mode(worker_cls):
         worker_cls(_config(enable_sleep_mode=True))
 
 
+def test_weights_that_bypass_the_pool_fail_the_load(worker_cls, monkeypatch):
+    """[N8] With torch_npu's expandable segments on, allocations skip the pool: the load must
+    fail with the setting to change instead of leaving a sleep that frees nothing. Stand-in:
+    ``torch.ones`` is not served by the host pool, as an expandable segment is not by ours."""
+    from vllm_ascend_rl.worker.npu_worker import NOT_POOLED
+
+    def load_outside_the_pool(self) -> None:
+        self.model = torch.nn.Module()
+        self.model.weight = torch.nn.Parameter(torch.ones(256, 256))
+
+    monkeypatch.setattr(_MockNPUWorker, "load_model", load_outside_the_pool)
+    w = worker_cls(_config())
+    with pytest.raises(RuntimeError) as e:
+        w.load_model()
+    assert str(e.value) == NOT_POOLED and "expandable_segments:False" in NOT_POOLED
+
+
 def test_only_the_kv_cache_is_pooled_as_kv_cache(worker):
     """[A5] Connector state and zeroing bookkeeping stay outside the pool; what KV
     initialization allocated besides the KV cache is kept across sleep."""

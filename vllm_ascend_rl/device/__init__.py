@@ -77,6 +77,13 @@ def ipc_buffer_id(segment: bytes, offset: int) -> str:
     return hashlib.sha256(segment + b"@" + str(offset).encode()).hexdigest()[:32]
 
 
+def worker_index(parallel_config: Any) -> int:
+    """An engine worker's place among all engine workers (every DP rank's TP x PP workers),
+    as vLLM's own engines number them (nccl_common.py; vllm-ascend hccl_engine.py). On CPU it
+    is also the worker's emulated chip."""
+    return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
+
+
 def host_identity() -> dict[str, str]:
     """This host, as two processes on it must agree: hostname and kernel boot id."""
     import socket
@@ -133,6 +140,12 @@ class Device(ABC):
     def empty_cache(self) -> None:  # noqa: B027 (nothing to do unless the device caches)
         """Return memory that the process's allocators cache but no longer use. Device-wide:
         it synchronizes first, so never call it while a collective may hang."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host buffer the device copies into quickly (pinned on an accelerator)."""
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.kind != "cpu")
 
     @abstractmethod
     def memory_in_use(self) -> int:
@@ -238,4 +251,5 @@ __all__ = [
     "device_kind",
     "get_device",
     "ipc_buffer_id",
+    "worker_index",
 ]

@@ -40,6 +40,18 @@ def _host_kernels():
     return _host
 
 
+_CLAIMED: list[int] = []  # the emulated chip this process's engine worker owns, once known
+
+
+def claim_chip(index: int) -> None:
+    """This process is the engine worker of emulated chip ``index`` from now on: it may touch
+    no other chip's memory (a stand-in for an NPU worker's one device; a worker that used
+    another chip would open a context there and pool nothing on its own)."""
+    if _CLAIMED and _CLAIMED[0] != index:
+        raise RuntimeError(f"this process already serves emulated chip {_CLAIMED[0]}")
+    _CLAIMED[:] = [index]
+
+
 class CpuDevice(Device):
     kind = "cpu"
     collective_backend = "gloo"
@@ -55,7 +67,15 @@ class CpuDevice(Device):
         self._queued.add(work, exec_timeout_s)
 
     def synchronize(self) -> None:
+        self._check_own_chip()
         self._queued.drain()
+
+    def _check_own_chip(self) -> None:
+        if _CLAIMED and _CLAIMED[0] != self.index:
+            raise RuntimeError(
+                f"the engine worker of emulated chip {_CLAIMED[0]} touched chip {self.index}: "
+                "on an NPU that would open a context on another worker's chip and miss its own"
+            )
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")
@@ -87,10 +107,12 @@ class CpuDevice(Device):
             dst.numpy()[:] = src.numpy()
 
     def memory_in_use(self) -> int:
+        self._check_own_chip()
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def empty_cache(self) -> None:
+        self._check_own_chip()
         self._queued.drain()  # torch_npu's emptyCache synchronizes the device first
         # glibc keeps freed chunks below its (dynamic, up to 32 MiB) mmap threshold in its
         # arenas; malloc_trim hands them back to the kernel.
@@ -101,9 +123,11 @@ class CpuDevice(Device):
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def read_device(self, addr: int, out: torch.Tensor) -> None:
+        self._check_own_chip()
         ctypes.memmove(out.data_ptr(), addr, out.numel() * out.element_size())
 
     def write_device(self, addr: int, src: torch.Tensor) -> None:
+        self._check_own_chip()
         ctypes.memmove(addr, src.data_ptr(), src.numel() * src.element_size())
 
     # -- IPC over POSIX shared memory ------------------------------------------------------
@@ -170,11 +194,12 @@ def _queued(work: Any, deadline: float) -> bool:
     return not (work.is_completed() and work.exception() is None)
 
 
-# torch_npu's caching allocator (2.10.0.post4): sizes round up to 512 bytes
-# (NPUCachingAllocator.cpp:95 kMinBlockSize); up to 1 MiB comes from 2 MiB segments, up to
+# torch_npu's caching allocator (2.10.0.post4): a request grows by a 32-byte pad on A2/A3
+# (AddPadSize, NPUCachingAllocator.cpp:193-208) and rounds up to 512 bytes (round_size,
+# :2120-2133; kMinBlockSize :95); up to 1 MiB comes from 2 MiB segments, up to
 # 10 MiB from 20 MiB segments, larger sizes get a segment of their own rounded up to 2 MiB
 # (get_allocation_size, :2536-2545; kSmallBuffer/kLargeBuffer, NPUAllocatorConfig.h:45-46).
-MIN_BLOCK = 512
+MIN_BLOCK, PAD = 512, 32
 SMALL_SIZE, SMALL_SEGMENT = 1 << 20, 2 << 20
 MIN_LARGE_ALLOC, LARGE_SEGMENT = 10 << 20, 20 << 20
 ROUND_LARGE = 2 << 20
@@ -217,7 +242,7 @@ class SegmentCarver:
         self._lock = threading.Lock()
 
     def carve(self, nbytes: int, location: dict[str, str]) -> ExportedBuffer:
-        block = max(MIN_BLOCK, -(-nbytes // MIN_BLOCK) * MIN_BLOCK)
+        block = -(-(nbytes + PAD) // MIN_BLOCK) * MIN_BLOCK
         size = segment_size(block)
         with self._lock:
             seg = self._open.get(size)

@@ -29,7 +29,7 @@ from vllm_ascend_rl.device import (
 )
 from vllm_ascend_rl.device.group import exec_timeout_s
 
-# torch_npu v2.10.0 ProcessGroupHCCL.hpp:238-242: enum class WatchdogStatus {INIT, RUN, STOP}.
+# torch_npu 2.10.0.post4 ProcessGroupHCCL.hpp: enum class WatchdogStatus {INIT, RUN, STOP}.
 _WATCHDOG_STOP = 2
 # vllm-ascend's default HCCL buffer for its own groups (_DEFAULT_BUFFER_SIZE, utils.py:70).
 HCCL_BUFFER_MB = 200
@@ -95,9 +95,10 @@ def _unb64(text: Any, field: str) -> bytes | None:
 class NpuDevice(Device):
     kind = "npu"
     collective_backend = "hccl"
-    # An HCCL all-reduce is a task on the device that waits for its peers until
-    # HCCL_EXEC_TIMEOUT. Pending, it would block any device-wide synchronize, and vllm-ascend
-    # syncs the device (model_runner_v1.py:590 _sync_device, worker.py:857/877 @182b75e).
+    # An HCCL all-reduce is a task on the device that waits for its peers until the exec
+    # timeout. Pending, it would block every device-wide synchronize: torch.npu.synchronize,
+    # empty_cache, vLLM's update_weights (vllm/distributed/weight_transfer/base.py:323 in
+    # 0.27.1), and the exit sync.
     collective_may_stay_pending = False
 
     def __init__(self, index: int = 0) -> None:
@@ -128,12 +129,12 @@ class NpuDevice(Device):
         group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e).
 
         Failure handling is ours, not the watchdog's: with torch_npu's default
-        ``TORCH_HCCL_ASYNC_ERROR_HANDLING=1`` the watchdog rethrows a timed-out or failed
-        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1032-1048`` in
-        torch_npu v2.10.0), which would kill the engine when a trainer dies. Setting this
-        group's watchdog to STOP (``set_watchdog_status``, a per-group field, ``:3743``)
-        keeps its works out of the watchdog (``workEnqueue`` returns early, ``:3550``; the
-        loop skips the group, ``:2224``), so :class:`BroadcastChannel` alone decides, by
+        ``HCCL_ASYNC_ERROR_HANDLING=1`` the watchdog rethrows a timed-out or failed
+        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1024-1041`` in
+        torch_npu 2.10.0.post4), which would kill the engine when a trainer dies. Setting this
+        group's watchdog to STOP (``set_watchdog_status``, a per-group field, ``:3710-3717``)
+        keeps its works out of the watchdog (``workEnqueue`` returns early, ``:3517-3519``;
+        the loop skips the group, ``:2216-2218``), so :class:`BroadcastChannel` alone decides, by
         polling ``is_completed`` against ``timeout_s``, and then aborts the communicator.
         """
         from torch.distributed import ProcessGroup
@@ -146,8 +147,8 @@ class NpuDevice(Device):
         options.global_ranks_in_group = []  # a group of its own, not a subgroup of the world
         options.group_id = group_id  # as netloader: the rendezvous, the same on every rank
         # As vllm-ascend bounds its own groups' buffers (vllm_ascend/utils.py:960-991): MB.
-        # HCCL's communicator name: the same rendezvous, in plain characters (vllm-ascend's
-        # own names are words like "dp"). The exec timeout (seconds, an int;
+        # "group_name" fills HCCL's user-defined info (hcclUdi, ProcessGroupHCCL.cpp:3935-3948):
+        # the rendezvous, in plain characters, for HCCL's logs. The exec timeout (seconds, an int;
         # ProcessGroupHCCL.cpp:3998-4013 in 2.10.0.post4) bounds how long a collective hung on
         # a dead peer stays on the HCCL stream, where it would hold every device-wide
         # synchronize, empty_cache and the exit sync until HCCL_EXEC_TIMEOUT (1836 s, :77).
@@ -169,7 +170,7 @@ class NpuDevice(Device):
     def close_group(self, pg, broken: bool) -> None:
         """A healthy group shuts down (which synchronizes its HCCL streams); a broken one
         aborts its communicators instead: ``shutdown()`` would wait on a collective hung on
-        a dead peer until ``HCCL_EXEC_TIMEOUT`` (``ProcessGroupHCCL.cpp:1453-1480``)."""
+        a dead peer until ``HCCL_EXEC_TIMEOUT`` (``ProcessGroupHCCL.cpp:1445-1472``)."""
         if not broken:
             pg.shutdown()
             return
@@ -241,7 +242,7 @@ class NpuDevice(Device):
                 (nbytes,),
                 (1,),
                 0,
-                # What the producer sends (reductions.py:98-150 in torch_npu v2.10.0): only
+                # What the producer sends (reductions.py:98-150 in torch_npu 2.10.0.post4): only
                 # the TypedStorage wrapper absorbs the device= keyword of a cache hit
                 # (torch_npu/utils/storage.py:85-90).
                 torch.TypedStorage,
@@ -280,17 +281,20 @@ def _acl_memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
 
 # Every pool ever entered, with its pluggable allocator, alive until the process exits. This
 # is what keeps torch_npu 2.10 from freeing our VMM memory with a plain aclrtFree: a private
-# pool's blocks go through release_block (aclrtFree, NPUCachingAllocator.cpp:2965-2981) only
-# once the pool is freeable, i.e. its MemPool is gone (use_count 0, :2255-2280); while the
-# MemPool object lives, empty_cache skips it (:2901-2945). Also pytorch#146431.
+# pool's blocks go through release_block (aclrtFree, NPUCachingAllocator.cpp:2858-2897) only
+# once the pool is freeable, i.e. its MemPool is gone (use_count 0, :2186-2210); while the
+# MemPool object lives, empty_cache skips it (:2815-2840). Also pytorch#146431.
 _POOLS: list = []
+# The process's one NPUPluggableAllocator over the ACL entry points; every pool uses it. The
+# entry points record into the extension's allocation table, which every allocator reads.
 _PLUGGABLE: list = []
 
 
 @contextmanager
 def pluggable_pool(allocator):
     """Route torch_npu allocations inside the block through the ACL VMM entry points of
-    ``vllm_ascend_rl._C``, which report each allocation to ``allocator`` (tagged).
+    ``vllm_ascend_rl._C``. They record each allocation in the extension's allocation table,
+    tagged with the tag ``allocator.use_memory_pool`` set, and run no Python.
 
     Each entry uses a fresh pool, never allocated from again after the block: so the
     segments it cached but no longer uses (freed during weight loading, format conversion,
@@ -302,7 +306,6 @@ def pluggable_pool(allocator):
 
     _torch_npu()
     if not _PLUGGABLE:
-        _C.set_callbacks(allocator._on_malloc, allocator._on_free)
         _PLUGGABLE.append(
             torch.npu.memory.NPUPluggableAllocator(_C.__file__, _C.NPU_MALLOC, _C.NPU_FREE)
         )
@@ -315,9 +318,10 @@ def pluggable_pool(allocator):
 
 def _trim(pool, allocator) -> None:
     """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
-    torch_npu/csrc/npu/Module.cpp:1515-1570 in v2.10.0)."""
+    torch_npu/csrc/npu/Module.cpp:1478-1533 in 2.10.0.post4)."""
     torch.npu.synchronize(allocator.device_index)
+    known = allocator.allocations
     for segment in torch.npu.memory_snapshot():
-        unused = not segment["allocated_size"] and segment["address"] in allocator.allocations
+        unused = not segment["allocated_size"] and segment["address"] in known
         if unused and tuple(segment["segment_pool_id"]) == tuple(pool.id):
             allocator.free(segment["address"])

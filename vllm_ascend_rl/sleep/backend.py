@@ -14,9 +14,16 @@ from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 class CaMemSleepBackend(SleepModeBackend):
+    """vLLM's factory builds this in the worker's ``__init__``, before ``init_device``: the
+    allocator is looked up at first use, once the worker has made it for its own device."""
+
     def __init__(self, allocator: CaMemAllocator | None = None) -> None:
         super().__init__()
-        self.allocator = allocator or CaMemAllocator.get_instance()
+        self._allocator = allocator
+
+    @property
+    def allocator(self) -> CaMemAllocator:
+        return self._allocator or CaMemAllocator.get_instance()
 
     def suspend(self, level: int = 1) -> None:
         self._state = "SUSPENDED"

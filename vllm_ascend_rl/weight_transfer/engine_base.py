@@ -22,7 +22,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.core.hold import HoldPublisher, hold_supported
-from vllm_ascend_rl.device import Device, device_for
+from vllm_ascend_rl.device import Device, device_for, worker_index
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.delta import (
@@ -80,10 +80,7 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
 
     @property
     def worker_index(self) -> int:
-        """This worker's place among all engine workers (every DP rank's TP x PP workers),
-        as vLLM's own engines number them (nccl_common.py; vllm-ascend hccl_engine.py)."""
-        pc = self.parallel_config
-        return pc.data_parallel_index * pc.world_size + pc.rank
+        return worker_index(self.parallel_config)
 
     # -- transport hooks ---------------------------------------------------------------
     @abstractmethod

@@ -136,6 +136,12 @@ class AscendRLHCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """One update's metadata, in the order the trainer broadcasts the tensors."""
 
 
+def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each collective that carries ``nbytes``: one, or pieces of at
+    most ``piece`` bytes for what is larger (both sides cut the same way). Empty for 0."""
+    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
+
+
 class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
     """Engine (worker) side. Loads through vLLM's layerwise reload; refuses bad updates whole."""
 
@@ -230,23 +236,30 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
         )
 
     def _buckets(self, plan: list[Bucket], update_info):
-        """Bucket i+1.. are in flight while bucket i is loaded."""
-        channel, depth = self.channel, self.init_info.packed_num_buffers
+        """Bucket i+1.. are in flight while bucket i is loaded. A bucket larger than the
+        agreed bucket size (a tensor sent alone) travels in pieces of that size, assembled in
+        host memory, so no receive buffer on the device is larger than a bucket."""
+        depth, piece = self.init_info.packed_num_buffers, self.init_info.packed_buffer_size_bytes
         in_flight: deque = deque()
         for bucket in plan:
-            if bucket.nbytes == 0:
-                continue
-            # Never a buffer whose views layerwise reload still holds (see ReceivePool).
-            buf = self.pool.take(bucket.nbytes)
-            in_flight.append((bucket, buf, channel.broadcast(buf)))
-            if len(in_flight) >= depth:
-                yield self._landed(*in_flight.popleft())
+            whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
+            for start, n in pieces(bucket.nbytes, piece):
+                # Never a buffer whose views layerwise reload still holds (see ReceivePool).
+                buf = self.pool.take(n)
+                in_flight.append((bucket, buf, self.channel.broadcast(buf), whole, start))
+                if len(in_flight) >= depth:
+                    yield from self._landed(*in_flight.popleft())
         while in_flight:
-            yield self._landed(*in_flight.popleft())
+            yield from self._landed(*in_flight.popleft())
 
-    def _landed(self, bucket: Bucket, buf: torch.Tensor, work):
+    def _landed(self, bucket: Bucket, buf: torch.Tensor, work, whole, start: int):
         self.channel.wait(work, f"receiving bucket {bucket.index}")
-        return bucket, buf
+        if whole is None:
+            yield bucket, buf
+            return
+        whole[start : start + buf.numel()].copy_(buf)  # waits for the device-to-host copy
+        if start + buf.numel() == bucket.nbytes:
+            yield bucket, whole
 
     def _disconnect(self) -> None:
         self._owe_stale = False
@@ -338,29 +351,35 @@ class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
 
     def _send(self, plan: list[Bucket], pairs, update: BackgroundCall, bar: Progress) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
+        piece = self.init_info.packed_buffer_size_bytes
         staging = self._staging_buffers(plan, depth)
-        in_flight: deque = deque()
+        in_flight: deque = deque()  # (bucket, work, the bytes it sends, staging slot or None)
         poll = update.raise_if_failed
+
+        def oldest_done() -> None:
+            bucket, work, sent, _ = in_flight.popleft()
+            channel.wait(work, f"sending bucket {bucket.index}", poll)
+            bar.update(sent.numel())
+
         for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
-            if bucket.nbytes == 0:
-                continue
-            if len(in_flight) >= depth:  # the oldest buffer must be free before reuse
-                done, work, _ = in_flight.popleft()
-                channel.wait(work, f"sending bucket {done.index}", poll)
-                bar.update(done.nbytes)
-            if bucket.oversized:  # from itself (a delta's host-side indices go to the device)
+            slot = None if bucket.oversized else i % depth
+            if slot is None:  # from itself (a delta's host-side indices go to the device)
                 send = as_bytes(tensors[0].to(self.hw.torch_device()))
             else:
-                send = staging[i % depth][: bucket.nbytes]
+                while any(entry[3] == slot for entry in in_flight):  # free before reuse
+                    oldest_done()
+                send = staging[slot][: bucket.nbytes]
                 # No synchronize: the collective's stream waits for the current stream,
                 # where the pack was queued (torch_npu ProcessGroupHCCL.cpp:267-279), and a
                 # device-wide sync would also wait for the broadcast in flight.
                 pack_into(send, bucket, tensors, self.hw.copy_bytes)
-            in_flight.append((bucket, channel.broadcast(send), send))
+            for start, n in pieces(bucket.nbytes, piece):
+                if len(in_flight) >= depth:
+                    oldest_done()
+                part = send[start : start + n]
+                in_flight.append((bucket, channel.broadcast(part), part, slot))
         while in_flight:
-            done, work, _ = in_flight.popleft()
-            channel.wait(work, f"sending bucket {done.index}", poll)
-            bar.update(done.nbytes)
+            oldest_done()
 
     def _staging_buffers(self, plan: list[Bucket], depth: int) -> list[torch.Tensor]:
         need = max((b.nbytes for b in plan if not b.oversized), default=0)

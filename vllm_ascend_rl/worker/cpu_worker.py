@@ -20,6 +20,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_ascend_rl.device import worker_index
+from vllm_ascend_rl.device.cpu import claim_chip
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 from vllm_ascend_rl.worker import (
@@ -40,9 +42,17 @@ def _discarded_linear(*_args, **_kwargs):
 class SleepableCPUWorker(SleepableMixin, CPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.allocator = CaMemAllocator.get_instance("host")
         self.camem_backend = attach_sleep_backend(self)
         self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
+
+    def init_device(self) -> None:
+        super().init_device()
+        claim_chip(worker_index(self.parallel_config))  # one emulated chip per worker
+
+    @property
+    def allocator(self) -> CaMemAllocator:
+        # Made on first use, for this worker's chip, as the NPU worker makes its own.
+        return CaMemAllocator.get_instance("host", device=worker_index(self.parallel_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         # Only the KV cache goes to host virtual memory; CPU weights stay torch tensors.

@@ -32,6 +32,14 @@ from typing import Any
 
 _cls: type | None = None
 
+NOT_POOLED = (
+    "the weights were loaded outside the sleep allocator's pool: torch_npu's allocator is "
+    "running with expandable segments (vllm-ascend rewrites PYTORCH_NPU_ALLOC_CONF to "
+    "',expandable_segments:True' unless told otherwise), so /sleep could not free them. "
+    "Start the server with PYTORCH_NPU_ALLOC_CONF=expandable_segments:False and "
+    '--additional-config \'{"rl_config": {"enabled": true}}\'.'
+)
+
 
 @contextmanager
 def _wrapped(obj: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
@@ -78,11 +86,19 @@ def _build_class() -> type:
         @property
         def allocator(self) -> CaMemAllocator:
             # Made on first use: the worker's device is known only after init_device.
-            return CaMemAllocator.get_instance("acl", device=self.device.index or 0)
+            return CaMemAllocator.get_instance(device=self.device.index)
 
         def load_model(self, *args: Any, **kwargs: Any) -> None:
+            before = self.allocator.get_current_usage()
             with self.allocator.use_memory_pool("weights"):
                 super().load_model(*args, **kwargs)
+            if self.allocator.get_current_usage() <= before:
+                # torch_npu reads PYTORCH_NPU_ALLOC_CONF once, at its allocator's first use
+                # (NPUAllocatorConfig.h), and its expandable branch runs before the pool branch
+                # (NPUCachingAllocator.cpp:2707-2724 in 2.10.0.post4): if anything allocated
+                # before vllm-ascend stripped expandable_segments:True, the weights bypassed
+                # our pool and /sleep would free nothing.
+                raise RuntimeError(NOT_POOLED)
 
         def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
             # Only model_runner.initialize_kv_cache runs in the pool, as in vllm-ascend's own
