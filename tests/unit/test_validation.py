@@ -154,3 +154,15 @@ def test_malformed_wire_metadata(names, dtypes, shapes, message):
 def test_wire_dtype_names_may_carry_the_torch_prefix():
     specs = parse_specs(["w"], ["torch.bfloat16"], [[2, 3]])
     assert specs == [TensorSpec("w", torch.bfloat16, (2, 3))]
+
+
+def test_a_restore_backup_the_host_cannot_hold_is_refused_before_any_copy(monkeypatch):
+    """[N16] on_failure='restore' copies every worker's shard to host memory per update: an
+    engine whose workers together need more than the host has is refused with the cost and
+    the alternative, not left to the OOM killer."""
+    from vllm_ascend_rl.weight_transfer import reload
+
+    monkeypatch.setattr(reload, "available_host_bytes", lambda: 10 << 30)
+    reload.check_host_memory(2 << 30, workers_on_host=4)  # 8 GiB of 10: fine
+    with pytest.raises(MemoryError, match=r"17\.5 GiB for 8 worker\(s\), but only 10\.0 GiB"):
+        reload.check_host_memory(int(17.5 * 2**30 / 8), workers_on_host=8)

@@ -156,7 +156,12 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
                 lapses_after_s=timeout_s,
             )
         self._check_base()
-        self.reload.begin(self.model, self.model_config, keep_old=not self.holds)
+        self.reload.begin(
+            self.model,
+            self.model_config,
+            keep_old=not self.holds,
+            workers_on_host=self.parallel_config.world_size,
+        )
         # No forward pass may run on half-loaded layers: one that starts while the update is
         # open (generation was not paused) first cancels the update, restoring the old weights.
         self._guard = self.model.register_forward_pre_hook(self._forward_during_update)

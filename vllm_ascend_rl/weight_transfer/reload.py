@@ -22,6 +22,7 @@ restoring them needs and :meth:`abort` puts it back into those layers:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,9 +57,15 @@ class LayerwiseReload:
         return sum(h.nbytes for b in self._backup.values() for _, h in b.tensors)
 
     def begin(
-        self, model: torch.nn.Module, model_config: ModelConfig, keep_old: bool = True
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        keep_old: bool = True,
+        workers_on_host: int = 1,
     ) -> None:
-        """Open an update; ``keep_old`` keeps what restoring the old weights needs."""
+        """Open an update; ``keep_old`` keeps what restoring the old weights needs: a host
+        copy of this worker's whole shard, taken now. It is refused before any copy when the
+        host cannot hold it for ``workers_on_host`` workers at once."""
         if self.active:
             raise RuntimeError("a weight update is already in progress on this worker")
         initialize_layerwise_reload(model)
@@ -66,14 +73,18 @@ class LayerwiseReload:
         self._pending = [m for m in model.modules() if _expects_weights(m)]
         if not keep_old:
             return
+        started = time.monotonic()
         try:
+            check_host_memory(sum(map(_kernel_bytes, self._pending)), workers_on_host)
             self._backup = {layer: _LayerBackup.of(layer) for layer in self._pending}
         except BaseException:
             self.abort(model_config)  # nothing loaded yet: the old tensors go back
             raise
         logger.info(
-            "weight update open: a host copy of %.1f MiB of old weights restores them on failure",
+            "weight update open (on_failure=restore): %.1f MiB of old weights copied to host "
+            "memory in %.2f s, to restore them if the update fails",
             self.backup_bytes / (1 << 20),
+            time.monotonic() - started,
         )
 
     def finish(self, model_config: ModelConfig) -> None:
@@ -164,6 +175,33 @@ class _LayerBackup:
         for k in [k for k in state if k not in _MODULE_INTERNALS and k not in self.attrs]:
             del state[k]  # added by processing the new weights
         state.update(self.attrs)
+
+
+def _kernel_bytes(layer: torch.nn.Module) -> int:
+    params, buffers = get_layerwise_info(layer).kernel_tensors or ({}, {})
+    return sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
+
+
+def available_host_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def check_host_memory(shard_bytes: int, workers_on_host: int) -> None:
+    """Refuse a restore backup the host cannot hold (every worker of the engine on this host
+    takes one at the same moment), instead of letting the kernel's OOM killer decide."""
+    need, free = shard_bytes * workers_on_host, available_host_bytes()
+    if free and need > free:
+        raise MemoryError(
+            f"on_failure='restore' copies each worker's weights to host memory at every "
+            f"update: {need / 2**30:.1f} GiB for {workers_on_host} worker(s), but only "
+            f"{free / 2**30:.1f} GiB is available. Free host memory, or init with "
+            "on_failure='hold' (no copy; a failed update holds generation until a complete "
+            "one). Nothing was changed."
+        )
 
 
 def _expects_weights(layer: torch.nn.Module) -> bool:
