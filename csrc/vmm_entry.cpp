@@ -1,138 +1,235 @@
-// The malloc/free entry points of a pluggable allocator, over any vmm.h back end, and the
-// Python callbacks they report to (the CaMemAllocator singleton knows the current tag and the
-// state of every allocation). torch_npu's NPUPluggableAllocator calls the ACL pair; the host
-// pair runs the same code in CI through ctypes.
+// The allocation table of the sleep allocator (vmm_table.h) and the malloc/free entry points of
+// a pluggable allocator over any vmm.h back end. torch_npu's NPUPluggableAllocator calls the ACL
+// pair; the host pair runs the same code in CI through ctypes.
 //
-// Nothing throws across the C boundary. Failures are logged with the back end's code and
-// message (a bare OOM from torch would say nothing), and a failing call never leaves a mapping
-// behind.
-#include <Python.h>
+// torch_npu calls the entry points with its allocator mutex held (post4
+// NPUCachingAllocator.cpp:2720-2724 calls the pool's allocator under the lock), so they must not
+// wait for anything another thread may hold while it waits for that mutex, the GIL above all.
+// Like torch_memory_saver (csrc/core.h: an unordered_map of AllocationMetadata guarded by
+// allocator_metadata_mutex_), the table lives here under its own mutex and the entry points never
+// enter Python. Whoever holds the table mutex never waits for the GIL or for torch_npu's mutex.
+//
+// Nothing throws across the C boundary. Failures are logged with the back end's code and message
+// (a bare OOM from torch would say nothing), and a failing call never leaves a mapping behind.
+#include <errno.h>
 #include <stdio.h>
 
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
 #include "vmm.h"
+#include "vmm_table.h"
 
 namespace {
 
-// Python callbacks (owned references):
-//   on_malloc(device, size, va, handle) -> None
-//   on_free(va) -> (size, handle, mapped)
-PyObject* g_on_malloc = nullptr;
-PyObject* g_on_free = nullptr;
+struct Table {
+  std::mutex mutex;
+  std::unordered_map<uint64_t, VmmEntry> entries;  // by address
+  std::string tag = "default";                      // allocator.DEFAULT_TAG
+  uint64_t next_id = 1;
+};
+
+// Never destroyed: torch_npu may free pool memory while the process exits, after this library's
+// static destructors would have run.
+Table& table() {
+  static Table* t = new Table();
+  return *t;
+}
+
+VmmEntry* find(Table& t, uint64_t addr, uint64_t id) {
+  auto it = t.entries.find(addr);
+  if (it == t.entries.end() || (id != 0 && it->second.id != id)) return nullptr;
+  return &it->second;
+}
+
+VmmStatus ok(const VmmBackend* b) { return VmmStatus{true, 0, nullptr, b}; }
+VmmStatus failed(const VmmBackend* b, const char* op, int err) {
+  return VmmStatus{true, err, op, b};
+}
+VmmStatus gone() { return VmmStatus{false, 0, nullptr, nullptr}; }
+
+// Release an entry's physical memory, recording each step as it succeeds (the mutex is held, as
+// torch_memory_saver's pause holds it across cuMemUnmap/cuMemRelease).
+VmmStatus release_physical(VmmEntry& e) {
+  const VmmBackend* b = e.backend;
+  int err;
+  if (e.mapped) {
+    if ((err = b->unmap(e.addr, e.size, e.device)) != 0) return failed(b, "unmap", err);
+    e.mapped = false;
+  }
+  if (e.handle != 0) {
+    uint64_t handle = e.handle;
+    e.handle = 0;  // a host handle number or an ACL handle is never freed twice
+    if ((err = b->free_handle(handle, e.device)) != 0) return failed(b, "free", err);
+  }
+  return ok(b);
+}
 
 void log_failure(const VmmBackend* b, const char* op, uint64_t va, int err) {
   fprintf(stderr, "vllm_ascend_rl: %s %s at 0x%llx failed with code %d: %s\n", b->name, op,
           static_cast<unsigned long long>(va), err, b->describe(err));
 }
 
-// Calls `fn(args)` under the GIL without disturbing an exception the interpreter may have
-// pending on this thread; returns a new reference or nullptr (failure logged).
-PyObject* call_python(PyObject* fn, PyObject* args) {
-  PyObject *type, *value, *traceback;
-  PyErr_Fetch(&type, &value, &traceback);
-  PyObject* result = args != nullptr ? PyObject_CallObject(fn, args) : nullptr;
-  if (result == nullptr) PyErr_WriteUnraisable(fn);
-  PyErr_Restore(type, value, traceback);
-  return result;
+// Take the entry at `va` out of the table; false if `b` made none there.
+bool take(const VmmBackend* b, uint64_t va, VmmEntry* out) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.entries.find(va);
+  if (it == t.entries.end() || it->second.backend != b) return false;
+  *out = std::move(it->second);
+  t.entries.erase(it);
+  return true;
 }
 
 }  // namespace
 
-// Install (or with None, remove) the allocator's callbacks. The new ones are stored before the
-// old ones are released: a finalizer run by that release may allocate through the pool.
-extern "C" void vmm_set_callbacks(PyObject* on_malloc, PyObject* on_free) {
-  PyObject* m = on_malloc == Py_None ? nullptr : on_malloc;
-  PyObject* f = on_free == Py_None ? nullptr : on_free;
-  Py_XINCREF(m);
-  Py_XINCREF(f);
-  PyObject* old_m = g_on_malloc;
-  PyObject* old_f = g_on_free;
-  g_on_malloc = m;
-  g_on_free = f;
-  Py_XDECREF(old_m);
-  Py_XDECREF(old_f);
+std::string vmm_table_set_tag(const std::string& tag) {
+  std::string copy = tag;
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  std::swap(t.tag, copy);
+  return copy;
 }
 
-// Reserve a range, back it with physical memory, map it, and record it with the Python
-// allocator. nullptr on any failure (torch then reports out-of-memory).
-extern "C" void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device) {
+std::vector<VmmEntry> vmm_table_entries(const VmmBackend* b) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  std::vector<VmmEntry> out;
+  for (const auto& kv : t.entries) {
+    if (kv.second.backend == b) out.push_back(kv.second);
+  }
+  return out;
+}
+
+VmmStatus vmm_table_allocate(const VmmBackend* b, size_t size, int device, int populate,
+                             const std::string* tag, VmmEntry* out) {
   size_t gran = 0;
-  int err = size > 0 ? b->granularity(device, &gran) : 0;
-  if (size <= 0 || err != 0 || gran == 0) {
-    if (err != 0) log_failure(b, "granularity", 0, err);
-    return nullptr;
-  }
-  size_t aligned = (static_cast<size_t>(size) + gran - 1) / gran * gran;
+  int err = b->granularity(device, &gran);
+  if (err != 0) return failed(b, "granularity", err);
+  if (size == 0 || gran == 0) return failed(b, "allocate", EINVAL);
+  size_t aligned = (size + gran - 1) / gran * gran;
   uint64_t va = 0, handle = 0;
-  if ((err = b->reserve(aligned, device, &va)) != 0) {
-    log_failure(b, "reserve", 0, err);
-    return nullptr;
-  }
-  if ((err = b->create(aligned, device, 1, &handle)) != 0) {
-    log_failure(b, "create", va, err);
+  if ((err = b->reserve(aligned, device, &va)) != 0) return failed(b, "reserve", err);
+  if ((err = b->create(aligned, device, populate, &handle)) != 0) {
     b->release(va, aligned, device);
-    return nullptr;
+    return failed(b, "create", err);
   }
-  // Populated: a shortage fails this malloc (torch reports out-of-memory), not a later touch.
-  if ((err = b->map(va, aligned, handle, 1, device)) != 0) {
-    log_failure(b, "map", va, err);
+  // Populated: a shortage fails this call (torch reports out-of-memory), not a later touch.
+  if ((err = b->map(va, aligned, handle, populate, device)) != 0) {
     b->free_handle(handle, device);
     b->release(va, aligned, device);
-    return nullptr;
+    return failed(b, "map", err);
   }
-  bool recorded = false;
-  if (Py_IsInitialized()) {  // never touch an interpreter that is gone
-    PyGILState_STATE gil = PyGILState_Ensure();
-    if (g_on_malloc != nullptr) {
-      PyObject* args = Py_BuildValue("(iKKK)", device, static_cast<unsigned long long>(aligned),
-                                     static_cast<unsigned long long>(va),
-                                     static_cast<unsigned long long>(handle));
-      PyObject* r = call_python(g_on_malloc, args);
-      Py_XDECREF(args);
-      recorded = r != nullptr;
-      Py_XDECREF(r);
-    }
-    PyGILState_Release(gil);
-  }
-  if (!recorded) {  // an allocation the allocator does not know could never sleep or be freed
+  try {
+    Table& t = table();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    VmmEntry e{b, va, aligned, device, handle, true, tag != nullptr ? *tag : t.tag, t.next_id};
+    *out = e;
+    t.entries[va] = std::move(e);
+    ++t.next_id;
+  } catch (...) {  // out of host memory: memory the table does not know could never be released
     b->unmap(va, aligned, device);
     b->free_handle(handle, device);
     b->release(va, aligned, device);
-    return nullptr;
+    return failed(b, "record (out of host memory)", ENOMEM);
   }
-  return reinterpret_cast<void*>(va);
+  return ok(b);
 }
 
-// Forget the allocation in Python, then give back whatever it still holds (an allocation asleep
-// has no physical memory and no mapping). The device is drained first: work still queued on it
-// may read or write this memory, and unmapping under it faults.
-extern "C" void vmm_entry_free(const VmmBackend* b, void* ptr, int device) {
-  if (!Py_IsInitialized()) return;  // process exit: the OS takes everything back
-  uint64_t va = reinterpret_cast<uint64_t>(ptr);
-  unsigned long long size = 0, handle = 0;
-  int mapped = 0;
-  bool known = false;
-  PyGILState_STATE gil = PyGILState_Ensure();
-  if (g_on_free != nullptr) {
-    PyObject* args = Py_BuildValue("(K)", static_cast<unsigned long long>(va));
-    PyObject* r = call_python(g_on_free, args);
-    Py_XDECREF(args);
-    if (r != nullptr) {
-      PyObject *type, *value, *traceback;
-      PyErr_Fetch(&type, &value, &traceback);
-      known = PyArg_ParseTuple(r, "KKp", &size, &handle, &mapped) != 0;
-      if (!known) PyErr_WriteUnraisable(g_on_free);
-      PyErr_Restore(type, value, traceback);
-      Py_DECREF(r);
-    }
-  }
-  PyGILState_Release(gil);
-  if (!known) return;  // not ours, or the callback failed: leak rather than corrupt
+VmmStatus vmm_table_sleep(uint64_t addr, uint64_t id) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  VmmEntry* e = find(t, addr, id);
+  return e == nullptr ? gone() : release_physical(*e);
+}
+
+VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);  // held across the calls, as torch_memory_saver's
+                                               // resume holds it across cuMemCreate/cuMemMap
+  VmmEntry* e = find(t, addr, id);
+  if (e == nullptr) return gone();
+  const VmmBackend* b = e->backend;
+  if (e->mapped) return ok(b);
+  bool created = e->handle == 0;
   int err;
-  if ((err = b->synchronize(device)) != 0) log_failure(b, "synchronize before free", va, err);
-  if (mapped && (err = b->unmap(va, size, device)) != 0) {
-    log_failure(b, "unmap", va, err);
-    return;  // still mapped: freeing the memory or the range under it would fail or corrupt
+  if (created && (err = b->create(e->size, e->device, populate, &e->handle)) != 0) {
+    e->handle = 0;
+    return failed(b, "create", err);
   }
-  if (handle != 0 && (err = b->free_handle(handle, device)) != 0) log_failure(b, "free", va, err);
-  if ((err = b->release(va, size, device)) != 0) log_failure(b, "release", va, err);
+  if ((err = b->map(e->addr, e->size, e->handle, populate, e->device)) != 0) {
+    if (created) {
+      uint64_t handle = e->handle;
+      e->handle = 0;
+      b->free_handle(handle, e->device);
+    }
+    return failed(b, "map", err);
+  }
+  e->mapped = true;
+  return ok(b);
+}
+
+VmmStatus vmm_table_free(uint64_t addr, uint64_t id) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  VmmEntry* e = find(t, addr, id);
+  if (e == nullptr) return gone();
+  VmmStatus st = release_physical(*e);
+  if (st.err != 0) return st;
+  int err = e->backend->release(e->addr, e->size, e->device);
+  if (err != 0) return failed(e->backend, "release", err);
+  t.entries.erase(addr);
+  return st;
+}
+
+bool vmm_table_retag(uint64_t addr, uint64_t id, const std::string& tag) {
+  std::string copy = tag;
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  VmmEntry* e = find(t, addr, id);
+  if (e != nullptr) e->tag = std::move(copy);
+  return e != nullptr;
+}
+
+// Reserve a range, back it with populated physical memory, map it, and record it with the
+// current tag. nullptr on any failure (torch then reports out-of-memory).
+extern "C" void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device) {
+  if (size <= 0) return nullptr;
+  VmmEntry e{};
+  VmmStatus st{};
+  try {
+    st = vmm_table_allocate(b, static_cast<size_t>(size), device, 1, nullptr, &e);
+  } catch (...) {  // vmm_table_allocate throws nothing; this only keeps the C boundary tight
+    fprintf(stderr, "vllm_ascend_rl: %s malloc of %zd bytes failed\n", b->name, size);
+    return nullptr;
+  }
+  if (st.err != 0) {
+    log_failure(b, st.op, 0, st.err);
+    return nullptr;
+  }
+  return reinterpret_cast<void*>(e.addr);
+}
+
+// Take the allocation out of the table, then give back whatever it still holds (one asleep has
+// no mapping and no physical memory), as torch_memory_saver's free does. The device is drained
+// first: work still queued on it may read or write this memory, and unmapping under it faults.
+extern "C" void vmm_entry_free(const VmmBackend* b, void* ptr, int) {
+  uint64_t va = reinterpret_cast<uint64_t>(ptr);
+  VmmEntry e{};
+  if (!take(b, va, &e)) {  // not ours: leak rather than corrupt
+    fprintf(stderr, "vllm_ascend_rl: %s free of 0x%llx, which the sleep allocator did not make\n",
+            b->name, static_cast<unsigned long long>(va));
+    return;
+  }
+  int err;
+  if ((err = b->synchronize(e.device)) != 0) log_failure(b, "synchronize before free", va, err);
+  VmmStatus st = release_physical(e);
+  if (st.err != 0) {
+    log_failure(b, st.op, va, st.err);
+    if (e.mapped) return;  // still mapped: releasing the range under it would fail or corrupt
+  }
+  if ((err = b->release(va, e.size, e.device)) != 0) log_failure(b, "release", va, err);
 }

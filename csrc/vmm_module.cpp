@@ -1,15 +1,19 @@
-// vllm_ascend_rl._C: the vmm.h back ends as Python functions. Addresses and handles are
-// Python ints. A failing call raises vllm_ascend_rl._C.VmmError(code, message); no C++
-// exception ever crosses into CPython.
+// vllm_ascend_rl._C: the vmm.h back ends as Python functions, and the allocation table of the
+// sleep allocator (vmm_table.h) as table_* functions. Addresses and handles are Python ints. A
+// failing call raises vllm_ascend_rl._C.VmmError(code, message); no C++ exception ever crosses
+// into CPython.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>
 
+#include <new>
+#include <string>
+#include <vector>
+
 #include "py_args.h"
 
 #include "vmm.h"
-
-extern "C" void vmm_set_callbacks(PyObject* on_malloc, PyObject* on_free);
+#include "vmm_table.h"
 
 namespace {
 
@@ -149,11 +153,112 @@ PyObject* py_backends(PyObject*, PyObject*) {
 #endif
 }
 
-PyObject* py_set_callbacks(PyObject*, PyObject* args) {
-  PyObject *on_malloc, *on_free;
-  if (!PyArg_ParseTuple(args, "OO", &on_malloc, &on_free)) return nullptr;
-  vmm_set_callbacks(on_malloc, on_free);
-  Py_RETURN_NONE;
+// The allocation table (vmm_table.h). Every call releases the GIL before it takes the table's
+// mutex: a holder of that mutex (an entry point, inside torch_npu's allocator lock) never needs
+// the GIL, so waiting here cannot deadlock, and other Python threads run meanwhile.
+template <typename F>
+bool without_gil(F&& fn) {
+  bool oom = false;
+  PyThreadState* state = PyEval_SaveThread();
+  try {
+    fn();
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  }
+  PyEval_RestoreThread(state);
+  if (oom) PyErr_NoMemory();
+  return !oom;
+}
+
+// False if the entry is gone, VmmError if a back-end call failed, else True.
+PyObject* status_result(const VmmStatus& st) {
+  if (!st.found) Py_RETURN_FALSE;
+  if (st.err != 0) return fail(st.backend, st.op, st.err);
+  Py_RETURN_TRUE;
+}
+
+PyObject* py_table_set_tag(PyObject*, PyObject* args) {
+  const char* tag;
+  if (!PyArg_ParseTuple(args, "s", &tag)) return nullptr;
+  std::string previous;
+  if (!without_gil([&] { previous = vmm_table_set_tag(tag); })) return nullptr;
+  return PyUnicode_FromStringAndSize(previous.data(), static_cast<Py_ssize_t>(previous.size()));
+}
+
+// (address, size, device, handle, mapped, tag, id); handle 0 means none.
+PyObject* entry_tuple(const VmmEntry& e) {
+  return Py_BuildValue("(KKiKNs#K)", static_cast<unsigned long long>(e.addr),
+                       static_cast<unsigned long long>(e.size), e.device,
+                       static_cast<unsigned long long>(e.handle), PyBool_FromLong(e.mapped),
+                       e.tag.data(), static_cast<Py_ssize_t>(e.tag.size()),
+                       static_cast<unsigned long long>(e.id));
+}
+
+PyObject* py_table_entries(PyObject*, PyObject* args) {
+  const char* name;
+  if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+  BACKEND_OR_RETURN(name);
+  std::vector<VmmEntry> entries;
+  if (!without_gil([&] { entries = vmm_table_entries(b); })) return nullptr;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(entries.size()));
+  for (size_t i = 0; out != nullptr && i < entries.size(); ++i) {
+    PyObject* item = entry_tuple(entries[i]);
+    if (item == nullptr) Py_CLEAR(out);
+    else PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), item);
+  }
+  return out;
+}
+
+PyObject* py_table_allocate(PyObject*, PyObject* args) {
+  const char *name, *tag;
+  uint64_t size = 0;
+  int device = 0, populate = 1;
+  if (!PyArg_ParseTuple(args, "sO&s|ip", &name, to_u64, &size, &tag, &device, &populate))
+    return nullptr;
+  BACKEND_OR_RETURN(name);
+  VmmEntry e{};
+  VmmStatus st{};
+  if (!without_gil([&] {
+        std::string t = tag;
+        st = vmm_table_allocate(b, size, device, populate, &t, &e);
+      }))
+    return nullptr;
+  if (st.err != 0) return fail(st.backend, st.op, st.err);
+  return entry_tuple(e);
+}
+
+PyObject* py_table_sleep(PyObject*, PyObject* args) {
+  uint64_t addr = 0, id = 0;
+  if (!PyArg_ParseTuple(args, "O&O&", to_u64, &addr, to_u64, &id)) return nullptr;
+  VmmStatus st{};
+  if (!without_gil([&] { st = vmm_table_sleep(addr, id); })) return nullptr;
+  return status_result(st);
+}
+
+PyObject* py_table_wake(PyObject*, PyObject* args) {
+  uint64_t addr = 0, id = 0;
+  int populate = 1;
+  if (!PyArg_ParseTuple(args, "O&O&|p", to_u64, &addr, to_u64, &id, &populate)) return nullptr;
+  VmmStatus st{};
+  if (!without_gil([&] { st = vmm_table_wake(addr, id, populate); })) return nullptr;
+  return status_result(st);
+}
+
+PyObject* py_table_free(PyObject*, PyObject* args) {
+  uint64_t addr = 0, id = 0;
+  if (!PyArg_ParseTuple(args, "O&|O&", to_u64, &addr, to_u64, &id)) return nullptr;
+  VmmStatus st{};
+  if (!without_gil([&] { st = vmm_table_free(addr, id); })) return nullptr;
+  return status_result(st);
+}
+
+PyObject* py_table_retag(PyObject*, PyObject* args) {
+  uint64_t addr = 0, id = 0;
+  const char* tag;
+  if (!PyArg_ParseTuple(args, "O&O&s", to_u64, &addr, to_u64, &id, &tag)) return nullptr;
+  bool found = false;
+  if (!without_gil([&] { found = vmm_table_retag(addr, id, tag); })) return nullptr;
+  return PyBool_FromLong(found);
 }
 
 PyMethodDef kMethods[] = {
@@ -172,8 +277,21 @@ PyMethodDef kMethods[] = {
     {"zero", py_zero, METH_VARARGS, "zero(backend, address, size, device=0)"},
     {"synchronize", py_synchronize, METH_VARARGS,
      "synchronize(backend, device=0): wait for the device's queued work"},
-    {"set_callbacks", py_set_callbacks, METH_VARARGS,
-     "set_callbacks(on_malloc, on_free): the allocator hooks of the pluggable entry points"},
+    {"table_set_tag", py_table_set_tag, METH_VARARGS,
+     "table_set_tag(tag) -> previous tag: the tag of allocations the entry points make"},
+    {"table_entries", py_table_entries, METH_VARARGS,
+     "table_entries(backend) -> [(address, size, device, handle, mapped, tag, id)]"},
+    {"table_allocate", py_table_allocate, METH_VARARGS,
+     "table_allocate(backend, size, tag, device=0, populate=True) -> entry: reserve, back "
+     "and map, recorded in the table"},
+    {"table_sleep", py_table_sleep, METH_VARARGS,
+     "table_sleep(address, id) -> found: unmap and free the entry's physical memory"},
+    {"table_wake", py_table_wake, METH_VARARGS,
+     "table_wake(address, id, populate=True) -> found: back and map an unmapped entry"},
+    {"table_free", py_table_free, METH_VARARGS,
+     "table_free(address, id=0) -> found: release everything, then forget the entry"},
+    {"table_retag", py_table_retag, METH_VARARGS,
+     "table_retag(address, id, tag) -> found"},
     {nullptr, nullptr, 0, nullptr},
 };
 

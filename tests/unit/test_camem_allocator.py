@@ -89,13 +89,13 @@ def test_backups_are_allocated_once_and_reused(alloc):
     w = alloc.allocate(2 * MiB, "weights")
     fill(alloc, w, 3)
     alloc.sleep(offload_tags="weights")
-    backup = w.backup
+    backup = alloc.allocations[w.addr].backup
     assert backup is not None and backup.numel() == w.size
     for value in (4, 5):
         alloc.wake_up("weights")
         fill(alloc, w, value)
         alloc.sleep(offload_tags="weights")
-        assert w.backup is backup and w.backup.data_ptr() == backup.data_ptr()
+        assert alloc.allocations[w.addr].backup is backup
     alloc.wake_up()
     assert torch.all(alloc.tensor(w) == 5)
 
@@ -103,44 +103,43 @@ def test_backups_are_allocated_once_and_reused(alloc):
 def test_waking_an_awake_tag_is_a_no_op(alloc):
     kv = alloc.allocate(MiB, "kv_cache")
     t = fill(alloc, kv, 6)
-    handle = kv.handle
     alloc.wake_up()
     alloc.wake_up(["kv_cache"])
-    assert kv.handle == handle and torch.all(t == 6)
+    assert alloc.allocations[kv.addr].handle == kv.handle and torch.all(t == 6)
     alloc.sleep()
     alloc.wake_up(["weights"])  # another tag: kv stays asleep
-    assert not kv.awake
+    assert not alloc.allocations[kv.addr].awake
 
 
 class FailingVmm:
-    """The real extension, except that the n-th ``create`` fails like an out-of-memory."""
+    """The real extension, except that the n-th wake of an entry fails like an out-of-memory."""
 
     VmmError = _C.VmmError
 
-    def __init__(self, fail_on_create: int) -> None:
-        self.creates, self.fail_on = 0, fail_on_create
+    def __init__(self, fail_on_wake: int) -> None:
+        self.wakes, self.fail_on = 0, fail_on_wake
 
     def __getattr__(self, name):
         return getattr(_C, name)
 
-    def create(self, *args):
-        self.creates += 1
-        if self.creates == self.fail_on:
+    def table_wake(self, *args):
+        self.wakes += 1
+        if self.wakes == self.fail_on:
             raise _C.VmmError(12, "Cannot allocate memory (injected)")
-        return _C.create(*args)
+        return _C.table_wake(*args)
 
 
 def test_a_wake_that_fails_halfway_rolls_back_to_a_clean_asleep_state():
-    vmm = FailingVmm(fail_on_create=5)  # 3 allocations, then the 2nd create of the wake
-    a = CaMemAllocator("host", vmm=vmm)
+    a = CaMemAllocator("host", vmm=FailingVmm(fail_on_wake=2))
     try:
-        allocs = [a.allocate(MiB, "kv_cache") for _ in range(3)]
+        for _ in range(3):
+            a.allocate(MiB, "kv_cache")
         a.sleep()
         with pytest.raises(SleepError, match=r"rolled back.*injected"):
             a.wake_up()
-        assert all(not x.awake for x in allocs) and a.get_current_usage() == 0
+        assert not any(x.awake for x in a.allocations.values()) and a.get_current_usage() == 0
         a.wake_up()  # and it can still wake afterwards
-        assert all(x.awake for x in allocs)
+        assert all(x.awake for x in a.allocations.values())
     finally:
         for addr in list(a.allocations):
             a.free(addr)
@@ -150,7 +149,7 @@ def test_discard_releases_without_keeping_contents(alloc):
     w = alloc.allocate(MiB, "weights")
     fill(alloc, w, 8)
     alloc.discard(["weights"])
-    assert not w.awake and w.backup is None
+    assert not alloc.allocations[w.addr].awake and alloc.allocations[w.addr].backup is None
     alloc.wake_up()
     assert torch.all(alloc.tensor(w) == 0)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
+import sysconfig
 import threading
 import time
 
@@ -86,7 +88,7 @@ def test_sleep_drains_the_device_before_backup_and_unmap(monkeypatch, cleanup):
     """[A6] Drain first, then copy, then unmap."""
     log: list[str] = []
     _use_device(monkeypatch, RecordingDevice(log))
-    a = _allocator(vmm=Vmm(unmap=lambda real, *args: (log.append("unmap"), real(*args))[1]))
+    a = _allocator(vmm=Vmm(table_sleep=lambda real, *args: (log.append("unmap"), real(*args))[1]))
     cleanup(a)
     a.allocate(MiB, "weights")
     a.allocate(MiB, "kv_cache")
@@ -111,45 +113,43 @@ def test_a_wake_that_fails_on_any_error_rolls_back(monkeypatch, cleanup):
     a.sleep(offload_tags=("weights",))
     with pytest.raises(SleepError, match=r"rolled back: RuntimeError: aclrtMemcpy"):
         a.wake_up()
-    assert all(not w.awake and w.handle is None and w.has_backup for w in weights)
+    now = [a.allocations[w.addr] for w in weights]
+    assert all(not w.awake and w.handle is None and w.has_backup for w in now)
     assert a.get_current_usage() == 0
     a.wake_up()
     assert [int(v[0]) for v in views] == [1, 2, 3]
 
 
 def test_a_failed_free_after_unmap_leaves_a_consistent_asleep_allocation(cleanup):
-    """[S2] Unmap succeeded, free failed: the allocation is recorded as unmapped and without a
-    handle at once, and the handle is never freed a second time."""
-    fails = iter([True])
-
-    def free(real, *args):
-        if next(fails, False):
-            real(*args)  # the descriptor is gone either way: a retry would hit a recycled fd
-            raise _C.VmmError(5, "Input/output error (injected)")
-        return real(*args)
-
-    vmm = Vmm(free=free)
-    a = _allocator(vmm=vmm)
+    """[S2] Unmap succeeded, the handle's free failed (it was freed behind the table's back):
+    the table records the allocation as unmapped and without a handle at once, and the handle
+    is never freed a second time (that would fail again, with EBADF)."""
+    a = _allocator()
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
-    with pytest.raises(SleepError, match="injected"):
+    _C.free("host", kv.handle)
+    with pytest.raises(SleepError, match=r"host VMM free failed \(code 9\)"):
         a.sleep()
-    assert not kv.awake and kv.handle is None
-    frees = vmm.calls.count("free")
+    now = a.allocations[kv.addr]
+    assert not now.awake and now.handle is None
     a.sleep()  # nothing left to release
     a.free(kv.addr)
-    assert vmm.calls.count("free") == frees and kv.addr not in a.allocations
+    assert kv.addr not in a.allocations
 
 
 def test_free_keeps_the_allocation_known_until_it_is_released(cleanup):
-    """[S2] A failing unmap in free() must not forget (leak) the allocation."""
-    vmm = Vmm(unmap=lambda real, *args: (_ for _ in ()).throw(_C.VmmError(22, "injected")))
-    a = _allocator(vmm=vmm)
+    """[S2] A step of free() that fails leaves the allocation known, in the state it reached
+    (unmapped, handle forgotten), not leaked; the next free() releases the rest."""
+    a = _allocator()
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
-    with pytest.raises(SleepError):
+    _C.free("host", kv.handle)
+    with pytest.raises(SleepError, match="free failed"):
         a.free(kv.addr)
-    assert kv.addr in a.allocations and kv.awake
+    now = a.allocations[kv.addr]
+    assert not now.awake and now.handle is None
+    a.free(kv.addr)
+    assert kv.addr not in a.allocations
 
 
 def test_integer_arguments_are_checked():
@@ -191,7 +191,7 @@ def test_allocating_on_another_thread_during_a_sleep_is_safe(cleanup):
             time.sleep(0.2)  # give it every chance to run into the iteration
         return real(*args)
 
-    a = _allocator(vmm=Vmm(unmap=unmap))
+    a = _allocator(vmm=Vmm(table_sleep=unmap))
     cleanup(a)
     for _ in range(4):
         a.allocate(MiB, "kv_cache")
@@ -209,8 +209,9 @@ def test_discarding_an_asleep_backup_drops_it(cleanup):
     view = fill(a, w, 9)
     a.sleep(offload_tags=("weights",))
     a.discard(["weights"])
+    assert a.allocations[w.addr].backup is None
     a.wake_up()
-    assert not w.has_backup and int(view.sum()) == 0
+    assert not a.allocations[w.addr].has_backup and int(view.sum()) == 0
 
 
 def test_backups_can_be_dropped_on_wake(cleanup):
@@ -220,9 +221,9 @@ def test_backups_can_be_dropped_on_wake(cleanup):
     w = a.allocate(MiB, "weights")
     view = fill(a, w, 4)
     a.sleep(offload_tags=("weights",))
-    assert w.backup is not None
+    assert a.allocations[w.addr].backup is not None
     a.wake_up()
-    assert w.backup is None and int(view[0]) == 4
+    assert a.allocations[w.addr].backup is None and int(view[0]) == 4
 
 
 def test_wake_zeroes_memory_where_the_back_end_does_not(cleanup):
@@ -230,12 +231,12 @@ def test_wake_zeroes_memory_where_the_back_end_does_not(cleanup):
     zeroed memory (garbage written after every map stands in for HBM) still wakes a
     discarded tag as zeros."""
 
-    def dirty_map(real, *args):
-        real(*args)
-        addr, size = args[1], args[2]
-        ctypes.memset(addr, 0xAB, size)
+    def dirty_map(real, addr, *args):
+        found = real(addr, *args)
+        ctypes.memset(addr, 0xAB, MiB)
+        return found
 
-    vmm = Vmm(map=dirty_map, maps_zeroed=lambda backend: False)
+    vmm = Vmm(table_wake=dirty_map, maps_zeroed=lambda backend: False)
     a = _allocator(vmm=vmm)
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
@@ -254,10 +255,12 @@ def test_persistent_allocations_survive_sleep_and_discard(cleanup):
     kv_tensor = a.tensor(kv).view(torch.int8)[64:]  # a view into the KV allocation
     book = fill(a, bookkeeping, 5)
     assert a.keep_only("kv_cache", [kv_tensor]) == 1
-    assert bookkeeping.tag == PERSISTENT_TAG and kv.tag == "kv_cache"
+    now = a.allocations
+    assert now[bookkeeping.addr].tag == PERSISTENT_TAG and now[kv.addr].tag == "kv_cache"
     a.sleep()
     a.discard(["kv_cache", PERSISTENT_TAG])
-    assert bookkeeping.awake and not kv.awake and int(book[0]) == 5
+    now = a.allocations
+    assert now[bookkeeping.addr].awake and not now[kv.addr].awake and int(book[0]) == 5
     a.wake_up()
 
 
@@ -280,36 +283,196 @@ def test_host_pool_serves_only_what_it_can(cleanup):
     assert len(a.allocations) == 0
 
 
-def test_pluggable_entry_points_report_to_the_allocator(cleanup):
-    """The malloc/free entry points torch_npu calls, run over the host back end (the same
-    code as the ACL pair): allocations are tagged, usable, and fully released on free."""
+def _host_entry_points():
+    """The host malloc/free pair through ctypes.CDLL (which releases the GIL for the call)."""
     lib = ctypes.CDLL(_C.__file__)
     malloc, free = getattr(lib, _C.HOST_MALLOC), getattr(lib, _C.HOST_FREE)
-    malloc.restype, malloc.argtypes = (
-        ctypes.c_void_p,
-        [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p],
-    )
+    malloc.restype = ctypes.c_void_p
+    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    return malloc, free
+
+
+def test_pluggable_entry_points_record_in_the_table(cleanup, capfd):
+    """The malloc/free entry points torch_npu calls, run over the host back end (the same
+    code as the ACL pair): allocations are tagged with the pool's tag, usable, sleep and wake
+    like any other, and are fully released on free."""
+    malloc, free = _host_entry_points()
     a = _allocator()
     cleanup(a)
-    _C.set_callbacks(a._on_malloc, a._on_free)
-    try:
-        a._current_tag = "weights"
+    with a.use_memory_pool("weights"):
         ptr = malloc(3 * MiB, 0, None)
-        assert ptr and a.allocations[ptr].tag == "weights" and a.allocations[ptr].size >= 3 * MiB
-        ctypes.memset(ptr, 7, 3 * MiB)
-        a.sleep(offload_tags=("weights",))
-        a.wake_up()
-        assert ctypes.string_at(ptr, 4) == b"\x07" * 4
-        free(ptr, 3 * MiB, 0, None)
-        assert ptr not in a.allocations
+    assert ptr and a.allocations[ptr].tag == "weights" and a.allocations[ptr].size >= 3 * MiB
+    ctypes.memset(ptr, 7, 3 * MiB)
+    a.sleep(offload_tags=("weights",))
+    a.wake_up()
+    assert ctypes.string_at(ptr, 4) == b"\x07" * 4
+    free(ptr, 3 * MiB, 0, None)
+    assert ptr not in a.allocations
+    assert not malloc(1 << 60, 0, None) and a.allocations == {}  # refused, nothing recorded
+    free(ptr, 3 * MiB, 0, None)  # not (any more) ours: ignored
+    err = capfd.readouterr().err
+    assert "host reserve at 0x0 failed" in err and "which the sleep allocator did not make" in err
 
-        def refuse(*args):
-            raise RuntimeError("callback refused (injected)")
 
-        _C.set_callbacks(refuse, a._on_free)
-        assert not malloc(MiB, 0, None)  # unrecorded memory is given back, not handed out
-        assert a.allocations == {}
-    finally:
-        _C.set_callbacks(None, None)
-        a._current_tag = allocator_mod.DEFAULT_TAG
+# A thread that has never run Python, to call the entry points the way torch_npu does.
+NATIVE_THREAD_C = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <sys/types.h>
+#include <time.h>
+
+struct job {
+  void* (*malloc)(ssize_t, int, void*);
+  void (*free)(void*, ssize_t, int, void*);
+  ssize_t size;
+  void* ptr; /* NULL: malloc into it; else: free it */
+};
+
+static void* run(void* arg) {
+  struct job* j = arg;
+  if (j->ptr == NULL) {
+    j->ptr = j->malloc(j->size, 0, NULL);
+  } else {
+    j->free(j->ptr, j->size, 0, NULL);
+    j->ptr = NULL;
+  }
+  return NULL;
+}
+
+int start_job(struct job* j, pthread_t* t) { return pthread_create(t, NULL, run, j); }
+
+/* 0 once the job's thread ended within `ms`, else ETIMEDOUT. */
+int wait_job(pthread_t t, int ms) {
+  struct timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += ms / 1000;
+  deadline.tv_nsec += (ms % 1000) * 1000000L;
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec += 1;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  return pthread_timedjoin_np(t, NULL, &deadline);
+}
+
+int join_job(pthread_t t) { return pthread_join(t, NULL); }
+"""
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [
+        ("malloc", ctypes.c_void_p),
+        ("free", ctypes.c_void_p),
+        ("size", ctypes.c_ssize_t),
+        ("ptr", ctypes.c_void_p),
+    ]
+
+
+@pytest.fixture(scope="module")
+def native_thread(tmp_path_factory) -> str:
+    """A small shared library that runs one entry-point call on a native thread."""
+    out = tmp_path_factory.mktemp("native") / "native_thread.so"
+    source = out.with_suffix(".c")
+    source.write_text(NATIVE_THREAD_C)
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    cmd = [compiler, "-shared", "-fPIC", "-O1", "-pthread", str(source), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+def test_entry_points_take_no_gil(native_thread, cleanup):
+    """[S4] torch_npu calls the entry points under its allocator mutex, while a Python thread
+    holding the GIL may be waiting for that mutex (freeing a pooled tensor). Here the main
+    thread holds the GIL while it waits for a native thread inside the entry points: through
+    ctypes.PyDLL the GIL stays held for the whole wait. Entry points that took the GIL (as
+    they did through Python callbacks) could not finish, and the wait would time out."""
+    a = _allocator()
+    cleanup(a)
+    lib = ctypes.CDLL(_C.__file__)
+    entry = [ctypes.cast(getattr(lib, n), ctypes.c_void_p) for n in (_C.HOST_MALLOC, _C.HOST_FREE)]
+    job = _Job(entry[0].value, entry[1].value, 2 * MiB, None)
+    starter, holding_gil = ctypes.CDLL(native_thread), ctypes.PyDLL(native_thread)
+    holding_gil.wait_job.argtypes = [ctypes.c_ulong, ctypes.c_int]
+    starter.join_job.argtypes = [ctypes.c_ulong]
+    with a.use_memory_pool("kv_cache"):
+        for _ in ("malloc", "free"):
+            thread = ctypes.c_ulong()
+            assert starter.start_job(ctypes.byref(job), ctypes.byref(thread)) == 0
+            waited = holding_gil.wait_job(thread, 10_000)
+            if waited != 0:
+                starter.join_job(thread)  # the GIL released: let it finish, then fail
+            assert waited == 0, "an entry point waited for the GIL"
+            if job.ptr:
+                assert a.allocations[job.ptr].tag == "kv_cache"
+    assert job.ptr is None and a.allocations == {}
+
+
+def test_an_asleep_allocation_freed_through_the_entry_point_is_released_once(cleanup, capfd):
+    """[S4] Sleep changed the allocation's state in the table, so the entry point's free sees
+    it: it releases the address range and nothing else. A second unmap or handle free would
+    be logged (the host handle is gone: EBADF)."""
+    malloc, free = _host_entry_points()
+    a = _allocator()
+    cleanup(a)
+    with a.use_memory_pool("kv_cache"):
+        ptr = malloc(2 * MiB, 0, None)
+    handle = a.allocations[ptr].handle
+    a.sleep()
+    assert a.allocations[ptr].handle is None and not a.allocations[ptr].mapped
+    free(ptr, 2 * MiB, 0, None)
+    assert ptr not in a.allocations and "vllm_ascend_rl" not in capfd.readouterr().err
+    with pytest.raises(_C.VmmError):  # the sleep freed it, once
+        _C.free("host", handle)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    assert libc.msync(ptr, 4096, 1) == -1 and ctypes.get_errno() == 12  # ENOMEM: released
+    a.wake_up()  # nothing left to wake
+    assert a.allocations == {}
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_entry_point_calls_keep_the_table_consistent(cleanup, capfd):
+    """[S4, S8] Four threads malloc and free through the entry points while the main thread
+    sleeps and wakes: no address is handed out twice, every free finds its entry, no release
+    fails or runs twice, and the table ends empty."""
+    malloc, free = _host_entry_points()
+    a = _allocator()
+    cleanup(a)
+    live: set[int] = set()
+    guard = threading.Lock()
+    errors: list[BaseException] = []
+
+    def churn(seed: int) -> None:
+        mine: list[int] = []
+        try:
+            for i in range(150):
+                ptr = malloc((1 + (seed + i) % 4) * 64 * 1024, 0, None)
+                assert ptr, "malloc failed"
+                with guard:
+                    assert ptr not in live, "an address handed out twice"
+                    live.add(ptr)
+                mine.append(ptr)
+                while len(mine) > 3 or (i == 149 and mine):
+                    gone = mine.pop(0)
+                    with guard:
+                        live.remove(gone)
+                    free(gone, 0, 0, None)
+        except BaseException as e:
+            errors.append(e)
+
+    with a.use_memory_pool("kv_cache"):
+        threads = [threading.Thread(target=churn, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        cycles = 0
+        while any(t.is_alive() for t in threads):
+            a.sleep()
+            a.wake_up()
+            cycles += 1
+        for t in threads:
+            t.join(60)
+    assert not errors and cycles > 0
+    assert a.allocations == {} and "vllm_ascend_rl" not in capfd.readouterr().err

@@ -11,6 +11,13 @@ views and captured graphs keep pointing at valid addresses throughout. Allocatio
 Back ends (``vllm_ascend_rl._C``): ``acl`` on Ascend (CANN virtual memory, fed by torch_npu's
 pluggable allocator) and ``host`` everywhere (anonymous mmap), which CPU workers and the tests
 use.
+
+The state of every allocation (size, device, physical handle, mapped, tag) lives in one place:
+the extension's process-wide table (``_C.table_*``, csrc/vmm_table.h), under a C++ mutex. The
+pluggable entry points record and free there without Python (they run under torch_npu's
+allocator lock, where taking the GIL could deadlock); this module reads the table and changes
+entries through it, so a free through the entry points always sees the current state. Only the
+host backups are kept here.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,20 +46,34 @@ class SleepError(RuntimeError):
     """A sleep, wake or allocation failed; the allocator is left in a consistent state."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Allocation:
+    """One entry of the allocation table as read at one moment, with its host backup. It does
+    not follow later changes: read ``CaMemAllocator.allocations`` again."""
+
     addr: int
     size: int  # bytes, a multiple of the back end's granularity
     tag: str
-    device: int = 0
-    handle: int | None = None  # physical memory; None while asleep
-    mapped: bool = False  # physical memory is mapped at addr
-    backup: torch.Tensor | None = None  # host copy, allocated once, reused every cycle
+    device: int
+    handle: int | None  # physical memory; None while asleep
+    mapped: bool  # physical memory is mapped at addr
+    id: int  # unique in the process; an address can be reused after a free, an id cannot
+    # host copy, allocated once, reused every cycle
+    backup: torch.Tensor | None = field(default=None, compare=False)
     has_backup: bool = False  # the backup holds this allocation's contents right now
 
     @property
     def awake(self) -> bool:
         return self.mapped
+
+
+@dataclass
+class _Backup:
+    """The host copy of the table entry ``id``."""
+
+    id: int
+    tensor: torch.Tensor
+    current: bool = False  # holds the entry's contents right now
 
 
 def _vmm():
@@ -62,18 +83,36 @@ def _vmm():
 
 
 class CaMemAllocator:
-    """A singleton per process (``get_instance``): the C entry points of the pluggable pool
-    call back into exactly one allocator. Every method is thread-safe."""
+    """Sleep and wake over the extension's allocation table, which is one per process: use the
+    singleton (``get_instance``); another instance of the same back end sees the same entries.
+    Every method is thread-safe."""
 
     _instance: CaMemAllocator | None = None
     _instance_lock = threading.Lock()
 
     @classmethod
-    def get_instance(cls, backend: str | None = None, device: int = 0) -> CaMemAllocator:
+    def get_instance(cls, backend: str | None = None, device: int | None = None) -> CaMemAllocator:
+        """The process's allocator. The first call creates it and must name the device (a
+        worker knows it only after ``init_device``); a later call that names another back
+        end or device is refused: one worker process serves one device."""
         with cls._instance_lock:
             if cls._instance is None:
+                if device is None:
+                    raise SleepError(
+                        "the sleep allocator is created by the worker once its device is known "
+                        "(after init_device); nothing created it yet"
+                    )
                 cls._instance = cls(backend or _default_backend(), device=device)
-            return cls._instance
+            inst = cls._instance
+            if (device is not None and device != inst.device_index) or (
+                backend is not None and backend != inst.backend
+            ):
+                raise SleepError(
+                    f"this process's sleep allocator serves {inst.backend} device "
+                    f"{inst.device_index}; asked for {backend or inst.backend} device "
+                    f"{inst.device_index if device is None else device}"
+                )
+            return inst
 
     def __init__(
         self,
@@ -97,7 +136,7 @@ class CaMemAllocator:
         if keep_backups is None:
             keep_backups = os.environ.get("VLLM_ASCEND_RL_SLEEP_KEEP_BACKUPS", "1") != "0"
         self.keep_backups = keep_backups
-        self.allocations: dict[int, Allocation] = {}
+        self._backups: dict[int, _Backup] = {}  # by address
         self._granularity: dict[int, int] = {}
         self._lock = threading.RLock()
 
@@ -116,28 +155,21 @@ class CaMemAllocator:
             self._granularity[device] = self._call("granularity", self.backend, device)
         return self._granularity[device]
 
+    @property
+    def allocations(self) -> dict[int, Allocation]:
+        """The table's entries of this back end by address, as read now."""
+        return {a.addr: a for a in self._entries()}
+
     def allocate(
         self, nbytes: int, tag: str = DEFAULT_TAG, device: int | None = None, populate: bool = True
     ) -> Allocation:
-        """Reserve, back and map ``nbytes`` (rounded up to the granularity).
-
-        ``populate`` commits the memory now, so running out of it is an exception here.
-        """
+        """Reserve, back and map ``nbytes`` (rounded up to the granularity), recorded in the
+        table as ``tag``; all or nothing. ``populate`` commits the memory now, so running out
+        of it is an exception here."""
         device = self.device_index if device is None else device
-        gran = self.granularity(device)
-        size = max(gran, (nbytes + gran - 1) // gran * gran)
         with self._lock:
-            addr = self._call("reserve", self.backend, size, device)
-            alloc = Allocation(addr, size, tag, device)
-            try:
-                alloc.handle = self._call("create", self.backend, size, device, populate)
-                self._call("map", self.backend, addr, size, alloc.handle, populate, device)
-                alloc.mapped = True
-            except SleepError:
-                self._undo(alloc)
-                raise
-            self.allocations[addr] = alloc
-            return alloc
+            row = self._call("table_allocate", self.backend, max(nbytes, 1), tag, device, populate)
+            return self._snapshot(*row)
 
     def tensor(self, alloc: Allocation, nbytes: int | None = None, owned: bool = False):
         """A uint8 CPU tensor over a host-back-end allocation. ``owned``: the allocation is
@@ -148,48 +180,37 @@ class CaMemAllocator:
             alloc.addr
         )
         if owned:
-            weakref.finalize(array, self._free_quietly, alloc.addr).atexit = False
+            weakref.finalize(array, self._free_quietly, alloc.addr, alloc.id).atexit = False
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def free(self, addr: int) -> None:
-        """Release the allocation at ``addr`` whatever its state. It is forgotten only once
-        everything behind it is released, so a failure leaves it known, not leaked."""
+        """Release the allocation at ``addr`` whatever its state; KeyError if there is none.
+        It is forgotten only once everything behind it is released, so a failure leaves it
+        known in the state it reached, not leaked. The caller drains the device first."""
         with self._lock:
-            alloc = self.allocations[addr]
-            self._release_physical(alloc)
-            self._call("release", self.backend, alloc.addr, alloc.size, alloc.device)
-            del self.allocations[addr]
+            if not self._call("table_free", addr):
+                raise KeyError(addr)
+            self._backups.pop(addr, None)
 
-    def _free_quietly(self, addr: int) -> None:
+    def _free_quietly(self, addr: int, id_: int) -> None:
+        """Free the entry ``id_`` if it is still at ``addr`` (a pooled CPU tensor died)."""
         try:
-            if addr in self.allocations:
-                self.free(addr)
+            with self._lock:
+                if self._call("table_free", addr, id_):
+                    self._backups.pop(addr, None)
         except SleepError as e:
             logger.warning("freeing a pooled CPU tensor at 0x%x failed: %s", addr, e)
-
-    # The pluggable pool's C entry points (vmm_entry.cpp) report allocations made through it.
-    def _on_malloc(self, device: int, size: int, addr: int, handle: int) -> None:
-        with self._lock:
-            self.allocations[addr] = Allocation(
-                addr, size, self._current_tag, device, handle, mapped=True
-            )
-
-    def _on_free(self, addr: int) -> tuple[int, int, bool]:
-        with self._lock:
-            alloc = self.allocations.pop(addr)
-            return alloc.size, alloc.handle or 0, alloc.mapped
-
-    _current_tag = DEFAULT_TAG
 
     @contextmanager
     def use_memory_pool(self, tag: str = DEFAULT_TAG) -> Iterator[None]:
         """Every tensor allocated inside is tagged ``tag``.
 
         Ascend: torch_npu's pluggable-allocator pool routes allocations through the ACL
-        back end. CPU: ``torch.zeros``/``torch.empty`` on the CPU inside the block are served
-        from host virtual memory (this is how the CPU worker places its KV cache).
+        entry points, which record them in the table with the tag set here. CPU:
+        ``torch.zeros``/``torch.empty`` on the CPU inside the block are served from host
+        virtual memory (this is how the CPU worker places its KV cache).
         """
-        previous, self._current_tag = self._current_tag, tag
+        previous = self.vmm.table_set_tag(tag)
         try:
             if self.backend == "acl":
                 from vllm_ascend_rl.device.npu import pluggable_pool
@@ -202,7 +223,7 @@ class CaMemAllocator:
                 with HostAllocationMode(self, tag):
                     yield
         finally:
-            self._current_tag = previous
+            self.vmm.table_set_tag(previous)
 
     def keep_only(self, tag: str, tensors: Iterable[torch.Tensor]) -> int:
         """Re-tag ``sleep_persistent`` every allocation of ``tag`` that backs none of
@@ -211,12 +232,11 @@ class CaMemAllocator:
         starts = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
         moved = 0
         with self._lock:
-            for alloc in self.allocations.values():
+            for alloc in self._entries():
                 if alloc.tag == tag and not any(
                     alloc.addr <= p < alloc.addr + alloc.size for p in starts
                 ):
-                    alloc.tag = PERSISTENT_TAG
-                    moved += 1
+                    moved += self.vmm.table_retag(alloc.addr, alloc.id, PERSISTENT_TAG)
         if moved:
             logger.info("%d %s allocation(s) hold no KV cache: kept across sleep", moved, tag)
         return moved
@@ -226,22 +246,19 @@ class CaMemAllocator:
         """Back up allocations tagged ``offload_tags`` to host memory, then release the
         physical memory of every awake allocation (but ``sleep_persistent``). Addresses stay
         reserved. The device is drained first: queued work could otherwise write after the
-        backup, or touch memory already unmapped."""
+        backup, or touch memory already unmapped. Nothing may free these allocations through
+        the entry points meanwhile (torch_npu frees a pool's segments only once the pool is
+        gone, and device/npu.py keeps every pool)."""
         offload = _tags(offload_tags) or set()
         with self._lock:
-            victims = [a for a in self.allocations.values() if a.awake and a.tag != PERSISTENT_TAG]
+            victims = [a for a in self._entries() if a.awake and a.tag != PERSISTENT_TAG]
             self._drain(victims)
             for alloc in victims:
                 if alloc.tag in offload:
-                    if alloc.backup is None:
-                        alloc.backup = torch.empty(
-                            alloc.size, dtype=torch.uint8, pin_memory=self.backend == "acl"
-                        )
-                    self._hw(alloc.device).read_device(alloc.addr, alloc.backup)
-                    alloc.has_backup = True
+                    self._back_up(alloc)
                 else:
-                    alloc.has_backup = False
-                self._release_physical(alloc)
+                    self._outdate_backup(alloc.addr)
+                self._call("table_sleep", alloc.addr, alloc.id)
 
     def wake_up(self, tags: Iterable[str] | str | None = None) -> None:
         """Map fresh, populated physical memory at the same addresses for ``tags`` (all if
@@ -252,25 +269,15 @@ class CaMemAllocator:
         with self._lock:
             woken: list[Allocation] = []
             try:
-                for alloc in list(self.allocations.values()):
+                for alloc in self._entries():
                     if alloc.awake or (wanted is not None and alloc.tag not in wanted):
                         continue
                     # Populated: the memory is committed and mapped now, so a shortage fails
                     # this wake (rolled back) instead of a later page fault, and the first
                     # forward pass does not pay the page faults (ACL maps eagerly anyway).
-                    alloc.handle = self._call(
-                        "create", self.backend, alloc.size, alloc.device, True
-                    )
-                    woken.append(alloc)
-                    self._call(
-                        "map", self.backend, alloc.addr, alloc.size, alloc.handle, True,
-                        alloc.device,
-                    )  # fmt: skip
-                    alloc.mapped = True
-                    if alloc.has_backup:
-                        self._hw(alloc.device).write_device(alloc.addr, alloc.backup)
-                    elif not self.maps_zeroed:
-                        self._call("zero", self.backend, alloc.addr, alloc.size, alloc.device)
+                    if self._call("table_wake", alloc.addr, alloc.id, True):
+                        woken.append(alloc)
+                        self._restore(alloc)
             except Exception as e:
                 for alloc in woken:
                     self._undo_wake(alloc)
@@ -279,9 +286,7 @@ class CaMemAllocator:
                     f"back: {type(e).__name__}: {e}"
                 ) from e
             for alloc in woken:
-                alloc.has_backup = False
-                if not self.keep_backups:
-                    alloc.backup = None
+                self._backups_done(alloc.addr)
 
     def discard(self, tags: Iterable[str] | str) -> None:
         """Release ``tags`` without keeping their contents; they wake zero-filled. An
@@ -289,70 +294,97 @@ class CaMemAllocator:
         come back with contents older than the discard)."""
         wanted = _tags(tags) or set()
         with self._lock:
-            chosen = [
-                a for a in self.allocations.values() if a.tag in wanted and a.tag != PERSISTENT_TAG
-            ]
+            chosen = [a for a in self._entries() if a.tag in wanted and a.tag != PERSISTENT_TAG]
             self._drain([a for a in chosen if a.awake])
             for alloc in chosen:
                 if alloc.awake:
-                    alloc.has_backup = False
-                    self._release_physical(alloc)
+                    self._outdate_backup(alloc.addr)
+                    self._call("table_sleep", alloc.addr, alloc.id)
                 elif alloc.has_backup:
                     logger.warning(
                         "discard(%s): dropping the sleep backup of 0x%x", alloc.tag, alloc.addr
                     )
-                    alloc.has_backup = False
-                    alloc.backup = None
+                    self._backups.pop(alloc.addr, None)
 
     def get_current_usage(self) -> int:
         """Bytes of physical memory currently held."""
-        with self._lock:
-            return sum(a.size for a in self.allocations.values() if a.awake)
+        return sum(a.size for a in self._entries() if a.awake)
 
     def is_awake(self, tag: str) -> bool:
-        with self._lock:
-            return all(a.awake for a in self.allocations.values() if a.tag == tag)
+        return all(a.awake for a in self._entries() if a.tag == tag)
 
     def tags(self) -> set[str]:
-        with self._lock:
-            return {a.tag for a in self.allocations.values()}
+        return {a.tag for a in self._entries()}
 
     # -- helpers ---------------------------------------------------------------------
+    def _entries(self) -> list[Allocation]:
+        """The table's entries of this back end, with their backups; backups of entries gone
+        from the table (freed through the entry points) are dropped."""
+        with self._lock:
+            rows = self.vmm.table_entries(self.backend)
+            live = {row[0]: row[6] for row in rows}
+            for addr in [a for a, b in self._backups.items() if live.get(a) != b.id]:
+                del self._backups[addr]
+            return [self._snapshot(*row) for row in rows]
+
+    def _snapshot(
+        self, addr: int, size: int, device: int, handle: int, mapped: bool, tag: str, id_: int
+    ) -> Allocation:
+        """An Allocation from a table row (``_C.table_entries``)."""
+        backup = self._backups.get(addr)
+        if backup is not None and backup.id != id_:
+            backup = None
+        return Allocation(
+            addr, size, tag, device, handle or None, mapped, id_,
+            backup.tensor if backup else None, bool(backup and backup.current),
+        )  # fmt: skip
+
+    def _back_up(self, alloc: Allocation) -> None:
+        """Copy an awake allocation to its host backup, allocated on its first sleep."""
+        backup = self._backups.get(alloc.addr)
+        if backup is None or backup.id != alloc.id:
+            tensor = torch.empty(alloc.size, dtype=torch.uint8, pin_memory=self.backend == "acl")
+            backup = self._backups[alloc.addr] = _Backup(alloc.id, tensor)
+        self._hw(alloc.device).read_device(alloc.addr, backup.tensor)
+        backup.current = True
+
+    def _outdate_backup(self, addr: int) -> None:
+        """The allocation's contents are no longer in its backup (the tensor is kept)."""
+        if (backup := self._backups.get(addr)) is not None:
+            backup.current = False
+
+    def _backups_done(self, addr: int) -> None:
+        """After a wake: the backup is outdated, and dropped unless ``keep_backups``."""
+        if self.keep_backups:
+            self._outdate_backup(addr)
+        else:
+            self._backups.pop(addr, None)
+
+    def _restore(self, alloc: Allocation) -> None:
+        """Fill a just-woken allocation: its backup if current, else zeros."""
+        if alloc.has_backup:
+            self._hw(alloc.device).write_device(alloc.addr, alloc.backup)
+        elif not self.maps_zeroed:
+            self._call("zero", self.backend, alloc.addr, alloc.size, alloc.device)
+
     def _drain(self, allocations: Iterable[Allocation]) -> None:
         for index in sorted({a.device for a in allocations}):
             self._hw(index).synchronize()
 
-    def _release_physical(self, alloc: Allocation) -> None:
-        """Unmap, then free. Each step is recorded as soon as it succeeds, and a handle is
-        never freed twice: a failed free is reported, not retried (a host handle is a file
-        descriptor the kernel recycles)."""
-        if alloc.mapped:
-            self._call("unmap", self.backend, alloc.addr, alloc.size, alloc.device)
-            alloc.mapped = False
-        if alloc.handle is not None:
-            handle, alloc.handle = alloc.handle, None
-            self._call("free", self.backend, handle, alloc.device)
-
     def _undo_wake(self, alloc: Allocation) -> None:
         try:
-            self._release_physical(alloc)
+            self._call("table_sleep", alloc.addr, alloc.id)
         except SleepError as e:  # reported; the original failure is what the caller sees
             logger.error("rolling back a failed wake at 0x%x: %s", alloc.addr, e)
 
-    def _undo(self, alloc: Allocation) -> None:
-        """Give back a half-made allocation (best effort; the first error is the caller's)."""
-        self._undo_wake(alloc)
-        try:
-            self._call("release", self.backend, alloc.addr, alloc.size, alloc.device)
-        except SleepError as e:
-            logger.error("releasing 0x%x after a failed allocation: %s", alloc.addr, e)
-
     def _call(self, op: str, *args):
+        """``self.vmm.op(*args)``, a VmmError raised as SleepError naming the failed call."""
         try:
             return getattr(self.vmm, op)(*args)
         except self.vmm.VmmError as e:
             code, message = e.args[:2] if len(e.args) >= 2 else (None, str(e))
-            raise SleepError(f"{self.backend} VMM {op} failed (code {code}): {message}") from e
+            step = getattr(e, "op", "").partition(".")[2] or op
+            raise SleepError(f"{self.backend} VMM {step} failed (code {code}): {message}") from e
 
 
 def _tags(tags: Iterable[str] | str | None) -> set[str] | None:
