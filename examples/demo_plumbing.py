@@ -1,11 +1,15 @@
 """Demo plumbing for the examples, not the point of them.
 
-With no ``--server-url`` the examples run on CPU by themselves: tiny random-weight checkpoints
-v1..v(steps+1), a vLLM server on v1 (the engine) and one on v2 (the reference, used only to
-validate, reloaded to each new checkpoint). The "training step" loads the next checkpoint, or,
-against your own server, perturbs the weights as a stand-in for an optimizer step. Everything
-else an RL loop does is in the example files themselves. The servers, the checkpoints and the
-stream client come from the repository's test kit (``tests/support``), which is not installed.
+With no ``--server-url`` the examples run by themselves (on CPU; on an Ascend host on NPUs, each
+server on chips of its own): tiny random-weight checkpoints v1..v(steps+1), a vLLM server on v1
+(the engine) and one on v2 (the reference, used only to validate, reloaded to each new
+checkpoint). The "training step" loads the next checkpoint, or, against your own server,
+perturbs the weights as a stand-in for an optimizer step; either runs on the device the trainer
+sends from (an NPU-IPC trainer on its engine's chip, an HCCL one on a chip of its own). Without
+a reference holding the trainer's weights a step is run but not validated, and the examples say
+so. Everything else an RL loop does is in the example files themselves. The servers, the
+checkpoints and the stream client come from the repository's test kit (``tests/support``),
+which is not installed.
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ from tests.support import (
     rl_engine_args,
     serving,
 )
+from tests.support.profile import trainer_chip
 from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.device import device_kind
 
 __all__ = [  # what the examples take from the kit through here
     "PLUGIN_SCHEDULER",
@@ -73,23 +79,27 @@ def parse_args(description: str) -> argparse.Namespace:
 
 
 class Policy:
-    """The trainer's model and its stand-in training step."""
+    """The trainer's model and its stand-in training step, which runs where the model is."""
 
     def __init__(self, model: torch.nn.Module, checkpoints: list | None) -> None:
         self.model, self.checkpoints = model, checkpoints
 
     def train_step(self, k: int) -> None:
-        """Weights k -> k+1: load checkpoint k+1, or perturb every weight a little."""
+        """Weights k -> k+1: load checkpoint k+1, or perturb every weight a little (noise
+        drawn on each parameter's own device). Raises if the step fails."""
         with torch.no_grad():
             if self.checkpoints:
                 from safetensors.torch import load_file
 
                 state = load_file(os.path.join(self.checkpoints[k + 1], "model.safetensors"))
-                self.model.load_state_dict(state, strict=True)
+                self.model.load_state_dict(state, strict=True)  # copies onto the parameters
             else:
-                gen = torch.Generator().manual_seed(k)
+                generators: dict[torch.device, torch.Generator] = {}
                 for p in self.model.parameters():
-                    p.add_(1e-3 * torch.randn(p.shape, generator=gen).to(p.dtype))
+                    if p.device not in generators:
+                        generators[p.device] = torch.Generator(device=p.device).manual_seed(k)
+                    noise = torch.randn(p.shape, generator=generators[p.device], device=p.device)
+                    p.add_(noise.to(p.dtype), alpha=1e-3)
 
 
 @dataclass
@@ -109,28 +119,40 @@ class Demo:
 
 
 @contextmanager
-def demo(args: argparse.Namespace, backend: str, engine_flags: list[str] = ()) -> Iterator[Demo]:
-    """Your server (``--server-url``), or a CPU engine and reference built here."""
+def demo(args: argparse.Namespace, backend: str, *, sleepable: bool = False) -> Iterator[Demo]:
+    """Your server (``--server-url``), or an engine (``sleepable``: with the device's sleepable
+    worker) and a reference built here; the policy on the device the trainer sends from."""
     if args.server_url:
         if not args.model:
             raise SystemExit("--server-url needs --model (the checkpoint the trainer holds)")
-        model = load_hf_model(args.model)
-        if args.device == "npu":
-            model = model.to("npu")
+        model = load_hf_model(args.model).to(trainer_device())
         yield Demo(args.server_url, Policy(model, None), args.reference_url)
         return
     checkpoints = [None] + [
         build_tiny_model(TinyModelSpec(seed=k)) for k in range(1, args.steps + 2)
     ]
     print(f"checkpoints v1..v{args.steps + 1}: {checkpoints[1].parent}")
-    engine = VLLMServer(
-        checkpoints[1],
-        extra_args=[*rl_engine_args(backend), *engine_flags],
-    )
+    engine = VLLMServer(checkpoints[1], extra_args=rl_engine_args(backend, sleepable=sleepable))
     reference = VLLMServer(checkpoints[2], extra_args=engine_args())
     print(f"starting the engine (v1, {backend}) and a reference server (validation only) ...")
     with serving(engine, reference):
-        yield Demo(engine.url, Policy(load_hf_model(checkpoints[1]), checkpoints), reference.url)
+        chip = trainer_chip(engine.chips, colocated=backend == "ascend_rl_npu_ipc")
+        model = load_hf_model(checkpoints[1]).to(trainer_device(chip))
+        yield Demo(engine.url, Policy(model, checkpoints), reference.url)
+
+
+def trainer_device(chip: int | None = None) -> torch.device:
+    """The device the trainer sends from, made this thread's current one: the CPU, or on NPU
+    the visible chip ``chip`` (None: the current one)."""
+    if device_kind() != "npu":
+        return torch.device("cpu")
+    import torch_npu  # noqa: F401  (torch.npu)
+
+    from vllm_ascend_rl.device import current_device
+
+    if chip is not None:
+        torch.npu.set_device(chip)
+    return current_device().torch_device()
 
 
 def start_streams(url: str, max_tokens: int, model: str) -> list[StreamingCompletion]:
@@ -167,6 +189,22 @@ def continuation_matches(
     before, after = stream.token_ids[:split], stream.token_ids[split:]
     prompt = stream.prompt_token_ids + before
     return greedy_token_ids(reference_url, prompt, len(after), model=model) == after
+
+
+def conclude(passed: bool, validated: int, steps: int) -> int:
+    """Print the run's verdict and return the exit status: 1 if a step failed. Steps that
+    had no reference to check against ran, but are reported as not validated."""
+    if not passed:
+        print("VALIDATION FAILED")
+        return 1
+    if validated < steps:
+        print(
+            f"all steps ran; {steps - validated} of {steps} not validated (no reference server "
+            "holding the trainer's weights)"
+        )
+    else:
+        print("all steps validated")
+    return 0
 
 
 def print_header(pause_label: str) -> None:

@@ -8,7 +8,9 @@ Once every request has a few tokens the server is paused with ``mode=keep`` (req
 their KV cache, stale after the update, is dropped), the weights are broadcast, and the server
 resumes: every request recomputes its context and continues on the new weights. A reference
 server on k+1 must then reproduce each continuation exactly, greedily, from prompt + the tokens
-generated before the pause. One row per step.
+generated before the pause. One row per step. A training step that fails ends the run with its
+error before anything is sent; without a reference (your own server) the steps run but are
+reported as not validated.
 
     python examples/rlhf_http_hccl.py          # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_hccl.py --server-url http://engine:8000 --model /path/to/hf \\
@@ -19,10 +21,11 @@ generated before the pause. One row per step.
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from demo_plumbing import (
+    conclude,
     continuation_matches,
     demo,
     parse_args,
@@ -63,14 +66,17 @@ def main() -> int:
             source=ModuleSource(setup.policy.model),
         )
         print_header("pause ms")
-        all_ok = True
+        all_ok, validated = True, 0
+        training_thread = ThreadPoolExecutor(1, thread_name_prefix="training")
         for k in range(1, args.steps + 1):
             # -- generate with weights k while the trainer produces k+1 -------------------
-            training = threading.Thread(target=setup.policy.train_step, args=(k,))
-            training.start()
+            training = training_thread.submit(setup.policy.train_step, k)
             streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
             wait_for_tokens(streams, args.min_tokens)
-            training.join()
+            try:
+                training.result()  # k+1, or the step's error: never sync weights k again
+            except Exception as e:
+                raise RuntimeError(f"training step v{k}->v{k + 1} failed; nothing sent") from e
 
             # -- pause (keep) -> sync -> resume --------------------------------------------
             t0 = time.perf_counter()
@@ -93,9 +99,10 @@ def main() -> int:
                 ]
             )
             all_ok &= report(k, streams, split, pause_ms, result, matches, args.max_tokens)
+            validated += matches is not None
         trainer.shutdown()
-    print("all steps validated" if all_ok else "VALIDATION FAILED")
-    return 0 if all_ok else 1
+        training_thread.shutdown()
+    return conclude(all_ok, validated, args.steps)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ on weights k; once each has a few tokens, ``/sleep?level=2&mode=keep`` pauses th
 the KV cache and the weights back; the trainer trains (here: loads checkpoint k+1); the engine
 wakes its weights, the trainer syncs them, the engine wakes its KV cache, and ``/resume`` lets
 every request continue on the new weights. A reference server on k+1 must reproduce each
-continuation exactly from prompt + the tokens before the pause. One row per step.
+continuation exactly from prompt + the tokens before the pause. One row per step. A training
+step that fails ends the run with its error (the engine stays asleep); without a reference (your
+own server) the steps run but are reported as not validated.
 
     python examples/rlhf_http_npu_ipc.py       # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_npu_ipc.py --server-url http://localhost:8000 \\
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 
 from demo_plumbing import (
+    conclude,
     continuation_matches,
     demo,
     parse_args,
@@ -43,13 +46,11 @@ import vllm_ascend_rl
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
-SLEEPABLE_CPU_WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
-
 
 def main() -> int:
     args = parse_args(__doc__.split("\n\n")[0])
     vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
-    with demo(args, "ascend_rl_npu_ipc", ["--worker-cls", SLEEPABLE_CPU_WORKER]) as setup:
+    with demo(args, "ascend_rl_npu_ipc", sleepable=True) as setup:
         # -- set-up: the control client and the trainer's side of the weight transfer ----
         ctl = EngineControlClient(setup.engine_url)
         trainer = WeightTransferTrainerFactory.trainer_init(
@@ -58,7 +59,7 @@ def main() -> int:
             source=ModuleSource(setup.policy.model),
         )
         print_header("sleep ms")
-        all_ok = True
+        all_ok, validated = True, 0
         for k in range(1, args.steps + 1):
             # -- generate with weights k ----------------------------------------------------
             streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
@@ -88,9 +89,9 @@ def main() -> int:
                 ]
             )
             all_ok &= report(k, streams, split, sleep_ms, result, matches, args.max_tokens)
+            validated += matches is not None
         trainer.shutdown()
-    print("all steps validated" if all_ok else "VALIDATION FAILED")
-    return 0 if all_ok else 1
+    return conclude(all_ok, validated, args.steps)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def servers(tmp_path_factory):
     engine = VLLMServer(
         v1,
         log_path=logs / "engine-dp2.log",
+        chips=2,
         extra_args=[*rl_engine_args("ascend_rl_hccl", sleepable=True), "--data-parallel-size", "2"],
     )
     reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
@@ -50,7 +51,7 @@ def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):
     engine, reference, v2 = servers
     ctl = EngineControlClient(engine.url)
     assert ctl.world_size() == 2
-    env = trainer_env(engine_chips=2, colocated=False)
+    env = trainer_env(engine.chips, colocated=False)
     with TrainerProcess(v2, log_path=tmp_path / "trainer.log", env=env) as trainer:
         init_trainer("ascend_rl_hccl", trainer, engine, world_size=3)
         out = swap_mid_generation(engine.url, lambda: trainer.send(weight_version="v2"))

@@ -251,7 +251,7 @@ def test_router_with_an_engine_down_or_hung_pauses_none(engines, ctl):
 def trainer(engines, models, tmp_path_factory) -> Iterator[TrainerProcess]:
     """One trainer (holding v2) with one HCCL connection per engine."""
     log = tmp_path_factory.mktemp("external-lb-trainer") / "trainer.log"
-    env = trainer_env(engine_chips=1, colocated=False)
+    env = trainer_env([*engines[0].chips, *engines[1].chips], colocated=False)
     with TrainerProcess(models[1], log_path=log, env=env) as t:
         for engine in engines:
             init_trainer("ascend_rl_hccl", t, engine, timeout_s=TIMEOUT_S)

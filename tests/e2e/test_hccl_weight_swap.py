@@ -22,7 +22,7 @@ import requests
 from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
 from tests.support import free_port, greedy_token_ids
 from tests.support.rl_step import check_continuations, swap_mid_generation
-from tests.support.standin_vllm_ascend import install_standin
+from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.trainer import TrainerError
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.compat import has_weight_version_spans, scale_out_flags
@@ -54,15 +54,18 @@ def _settled(tokens: list, quiet_s: float = 0.3) -> int:
 
 
 class TestHCCLWeightSwap(WeightSyncCases):
-    """Every case runs with a stand-in of vllm-ascend's plugin discovered first in the engine
-    and trainer processes: it registers vllm-ascend's names (engines ``hccl``, ``npu_ipc``,
-    trainers ``npu_ipc``, ``hccl``) without a guard, as vllm-ascend does."""
+    """Every case runs beside vllm-ascend's registrations (engines ``hccl``, ``npu_ipc``,
+    made without a guard) in the engine and trainer processes: on an Ascend host the real
+    vllm-ascend's, elsewhere a stand-in's discovered first (it also registers trainers
+    ``npu_ipc`` and ``hccl``)."""
 
     backend = "ascend_rl_hccl"
     extra_engine_args = scale_out_flags()  # /inference/v1/generate: weight-version spans
 
     @pytest.fixture(scope="class")
     def plugin_env(self, tmp_path_factory) -> dict[str, str]:
+        if real_vllm_ascend_installed():
+            return {}  # the real plugin is the test; a stand-in would register its names twice
         root = tmp_path_factory.mktemp("standin")
         path = install_standin(root / "site")
         return {
@@ -73,10 +76,18 @@ class TestHCCLWeightSwap(WeightSyncCases):
     def test_syncs_beside_vllm_ascends_registrations(
         self, engine, reference, trainer, on_v1, plugin_env
     ):
-        """vLLM ran the stand-in in the API server, the engine core, the worker and the
-        trainer (4 processes), and a sync through ascend_rl_hccl still lands exactly."""
-        pids = set(Path(plugin_env["STANDIN_MARKER"]).read_text().split())
-        assert len(pids) >= 4, pids
+        """vllm-ascend's engine names and ours are registered side by side in a process that
+        ran every general plugin (the trainer); the stand-in ran in the API server, the engine
+        core, the worker and the trainer (4 processes); a sync through ascend_rl_hccl still
+        lands exactly."""
+        registered = trainer.registered_engines()
+        assert {"hccl", "npu_ipc", "ascend_rl_hccl", "ascend_rl_npu_ipc"} <= set(
+            registered["engine"]
+        ), registered
+        assert {"ascend_rl_hccl", "ascend_rl_npu_ipc"} <= set(registered["trainer"]), registered
+        if "STANDIN_MARKER" in plugin_env:
+            pids = set(Path(plugin_env["STANDIN_MARKER"]).read_text().split())
+            assert len(pids) >= 4, pids
         self.init(trainer, engine)
         trainer.send(weight_version="v2")
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)

@@ -79,10 +79,10 @@ def engine(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(models, tmp_path_factory):
+def ranks(engine, models, tmp_path_factory):
     logs = tmp_path_factory.mktemp("tp2-trainers")
     port = free_port()
-    env0, env1 = (trainer_env(engine_chips=2, colocated=True, rank=r) for r in (0, 1))
+    env0, env1 = (trainer_env(engine.chips, colocated=True, rank=r) for r in (0, 1))
     with (
         TrainerProcess(models[1], log_path=logs / "rank0.log", env=env0) as r0,
         TrainerProcess(models[1], log_path=logs / "rank1.log", env=env1) as r1,
@@ -92,11 +92,12 @@ def ranks(models, tmp_path_factory):
 
 
 def test_one_trainer_rank_cannot_serve_two_chips(engine, models, tmp_path):
-    env = trainer_env(engine_chips=2, colocated=True)
+    env = trainer_env(engine.chips, colocated=True)
     with (
         TrainerProcess(models[1], log_path=tmp_path / "alone.log", env=env) as alone,
         pytest.raises(
-            TrainerError, match=f"no trainer rank on chip {current_profile().chip_name(1)}"
+            TrainerError,
+            match=f"no trainer rank on chip {current_profile().chip_name(engine.chips[1])}",
         ),
     ):
         alone.init(BACKEND, engine.url, timeout_s=30)

@@ -19,7 +19,7 @@ from vllm_ascend_rl.client import EngineControlClient
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
 GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
-CHIP = current_profile().chip_name(0)  # the engine worker's chip
+CHIP = current_profile().chip_name(0)  # the engine worker's: it starts first, on the lowest
 NOBODY = "vllm_ascend_rl-00000000deadbeef"  # a doorbell address no trainer listens on
 BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
     "missing_doorbells": ({"doorbells": None}, "doorbells"),
@@ -60,6 +60,10 @@ def rss(pids: list[int]) -> int:
 
 class TestNPUIPCWeightSwap(WeightSyncCases):
     backend = "ascend_rl_npu_ipc"
+
+    def test_the_cases_name_the_engine_workers_chip(self, engine):
+        """CHIP, fixed when the cases are collected, is the chip the engine runs on."""
+        assert [current_profile().chip_name(c) for c in engine.chips] == [CHIP]
 
     def test_no_pickle_on_the_control_plane(self, engine):
         # The weight swaps of this class run without VLLM_ALLOW_INSECURE_SERIALIZATION: the

@@ -130,7 +130,7 @@ def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
 
 
 def test_level2_reload_by_a_weight_transfer(server, ctl, baseline, model, tmp_path):
-    env = trainer_env(engine_chips=1, colocated=True)
+    env = trainer_env(server.chips, colocated=True)
     with TrainerProcess(model, log_path=tmp_path / "trainer.log", env=env) as trainer:
         trainer.init("ascend_rl_npu_ipc", server.url, timeout_s=60)
         ctl.sleep(2)  # the colocated trainer would train now

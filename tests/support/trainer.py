@@ -124,6 +124,11 @@ class TrainerProcess:
         the rest stay bit-identical (as most bf16 elements do after one RL step)."""
         self.request("step", share=share, seed=seed)
 
+    def registered_engines(self) -> dict[str, list[str]]:
+        """The names in vLLM's weight-transfer factories of this process, which ran every
+        general plugin as a vLLM process does: ``{"engine": [...], "trainer": [...]}``."""
+        return self.request("registered_engines")
+
     def save(self, target: str | os.PathLike) -> str:
         """Write the weights the trainer holds as a checkpoint (a reference for tests)."""
         return self.request("save", path=str(target))
@@ -262,6 +267,19 @@ def _serve(model_path: str) -> None:
                         moved = (torch.rand(p.shape, generator=gen) < msg["share"]).to(p.device)
                         p.add_(torch.where(moved, p.abs().clamp_min(1e-2) / 2, 0))
                 reply(True)
+            elif cmd == "registered_engines":
+                from vllm.distributed.weight_transfer.factory import (
+                    WeightTransferEngineFactory,
+                    WeightTransferTrainerFactory,
+                )
+
+                reply(
+                    True,
+                    {
+                        "engine": sorted(WeightTransferEngineFactory._registry),
+                        "trainer": sorted(WeightTransferTrainerFactory._registry),
+                    },
+                )
             elif cmd == "save":
                 import shutil
 

@@ -1,0 +1,72 @@
+"""Where the e2e suites put servers and trainers on an NPU host (``tests/support/profile.py``):
+each server on chips of its own while it runs, NPU-IPC trainer ranks on their engine worker's
+chip, HCCL trainer ranks on a chip of their own. Pure bookkeeping, so CPU CI checks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import profile
+from tests.support.profile import ChipPool, current_profile, trainer_chip, trainer_env
+
+
+@pytest.fixture
+def npu_host(monkeypatch):
+    """An NPU profile on a host whose visible chips are 4..7 (logical 0..3)."""
+    monkeypatch.setenv("VLLM_ASCEND_RL_DEVICE", "npu")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "4,5,6,7")
+    monkeypatch.setattr(profile, "_POOL", None)
+    return current_profile()
+
+
+def test_servers_take_the_lowest_free_chips_and_give_them_back(npu_host):
+    engine, reference, tp2 = object(), object(), object()
+    assert npu_host.take_chips(engine, 1) == [0]
+    assert npu_host.take_chips(reference, 1) == [1]
+    assert npu_host.take_chips(tp2, 2) == [2, 3]
+    assert npu_host.chip_sharers(engine) == []
+    npu_host.give_back_chips(reference)
+    assert npu_host.take_chips(object(), 1) == [1]
+
+
+def test_on_a_host_with_too_few_chips_servers_share_the_least_used(npu_host):
+    servers = [object() for _ in range(5)]
+    taken = [npu_host.take_chips(s, 1) for s in servers]
+    assert taken == [[0], [1], [2], [3], [0]]
+    assert npu_host.chip_sharers(servers[4]) == [servers[0]]
+    assert npu_host.chip_sharers(servers[0]) == [servers[4]]
+    with pytest.raises(RuntimeError, match="needs 5 chips; this host has 4"):
+        npu_host.take_chips(object(), 5)
+
+
+def test_the_pool_counts_the_visible_chips(npu_host):
+    assert profile.chip_pool().count == 4
+
+
+def test_colocated_trainer_ranks_sit_on_their_engine_workers_chips(npu_host):
+    assert [trainer_chip([2, 3], colocated=True, rank=r) for r in (0, 1)] == [2, 3]
+    assert trainer_env([2, 3], colocated=True, rank=1) == {"ASCEND_RT_VISIBLE_DEVICES": "7"}
+
+
+def test_hccl_trainer_ranks_take_the_highest_chips_the_engine_does_not_use(npu_host):
+    assert trainer_chip([0], colocated=False) == 3
+    assert trainer_chip([2, 3], colocated=False, rank=0) == 1
+    assert trainer_chip([2, 3], colocated=False, rank=1) == 0
+    assert trainer_chip(2, colocated=False) == 3  # an engine alone: chips 0 and 1
+    with pytest.raises(RuntimeError, match="needs a chip of its own"):
+        trainer_chip([0, 1, 2, 3], colocated=False)
+
+
+def test_cpu_servers_emulate_their_chips_and_share_nothing(monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_RL_DEVICE", "cpu")
+    cpu = current_profile()
+    a, b = object(), object()
+    assert cpu.take_chips(a, 2) == [0, 1] and cpu.take_chips(b, 1) == [0]
+    assert cpu.chip_sharers(b) == [] and cpu.chips_env([0]) == {}
+
+
+def test_a_pool_of_one_chip_is_shared_by_every_server():
+    pool, a, b = ChipPool(1), object(), object()
+    assert pool.take(a, 1) == pool.take(b, 1) == [0]
+    pool.give_back(a)
+    assert pool.sharers(b) == []
