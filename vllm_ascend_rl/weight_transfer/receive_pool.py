@@ -46,25 +46,22 @@ class ReceivePool:
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes``; always a view, so the pool can see it in use."""
-        idle_entries = [(b, idle) for b, idle in self.buffers if storage_use_count(b) == idle]
-        fitting = [b for b, _ in idle_entries if b.numel() >= nbytes]
+        idle = [b for b, use in self.buffers if storage_use_count(b) == use]
+        fitting = [b for b in idle if b.numel() >= nbytes]
         if fitting:
             return min(fitting, key=lambda b: b.numel())[:nbytes]
+        # Every idle buffer is too small for this request: give them back before taking more
+        # (by identity: tensors' == is elementwise).
+        self.buffers = [e for e in self.buffers if not any(e[0] is b for b in idle)]
+        del idle
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocated_bytes += nbytes
         self._alive = [(ref, n) for ref, n in self._alive if ref() is not None]
         self._alive.append((weakref.ref(buf), nbytes))
         self.peak_bytes = max(self.peak_bytes, sum(n for _, n in self._alive))
-        idle = storage_use_count(buf)
-        if idle is not None:
-            for victim, _ in sorted(idle_entries, key=lambda e: e[0].numel()):
-                if self.nbytes + nbytes <= self.max_bytes:
-                    break
-                # Full: make room by dropping idle buffers (by identity: tensors' == is
-                # elementwise).
-                self.buffers = [e for e in self.buffers if e[0] is not victim]
-            if self.nbytes + nbytes <= self.max_bytes:
-                self.buffers.append((buf, idle))
+        use = storage_use_count(buf)
+        if use is not None and self.nbytes + nbytes <= self.max_bytes:
+            self.buffers.append((buf, use))
         return buf[:nbytes]
 
     def release(self) -> None:
