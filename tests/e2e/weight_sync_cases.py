@@ -181,6 +181,18 @@ class WeightSyncCases(WeightSyncServers):
         assert out.sync_result["bytes"] > 0
         assert check_continuations(reference.url, out) == [True] * len(out.streams)
 
+    def test_an_engine_that_is_not_paused_is_refused_before_anything_moves(
+        self, engine, trainer, on_v1, v1_probe
+    ):
+        """[N15] The forward guard is a Python hook that graph replay skips: the trainer
+        itself refuses an engine that is not paused, so no update can meet generation."""
+        self.init(trainer, engine)
+        with pytest.raises(TrainerError, match="the engine is not paused"):
+            trainer.send(weight_version="v2", pause=False)
+        self.assert_alive_and_intact(engine, v1_probe)
+        trainer.send(weight_version="v2")  # paused for it: the connection is intact
+        assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
     # -- transactional updates ---------------------------------------------------------
     @pytest.mark.parametrize("case", list(BAD_METADATA))
     def test_bad_metadata_is_refused_and_model_untouched(

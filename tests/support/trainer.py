@@ -104,6 +104,7 @@ class TrainerProcess:
         """``trainer_init`` for the engine at ``url``. One trainer may feed several engines
         (an external load balancer): each has its own connection, kept by URL."""
         self.request("init", backend=backend, url=url, init_info=init_info)
+        self.last_url = url
 
     def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
         """Form torch.distributed's default (gloo) group with the other trainer processes,
@@ -111,10 +112,34 @@ class TrainerProcess:
         self.request("dist_init", port=master_port, rank=rank, world_size=world_size)
 
     def send(
-        self, weight_version: str | None = None, *, url: str | None = None, **faults: Any
+        self,
+        weight_version: str | None = None,
+        *,
+        url: str | None = None,
+        pause: bool = True,
+        **faults: Any,
     ) -> dict:
-        """Sync the engine at ``url`` (default: the one initialized last)."""
-        return self.request("send", weight_version=weight_version, url=url, faults=faults)
+        """Sync the engine at ``url`` (default: the one initialized last). ``pause``: an
+        engine that is not paused is paused (``keep``) for the sync and resumed after, as an
+        RL loop does (``send_weights`` refuses an engine that generates)."""
+        from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+
+        target = url or getattr(self, "last_url", None)
+        ctl = EngineControlClient(target, timeout_s=60) if pause and target else None
+        try:
+            paused_here = ctl is not None and ctl.is_paused() is False
+        except EngineControlError:  # the engine is gone: the sync reports it
+            paused_here = False
+        if paused_here:
+            ctl.pause(mode="keep")
+        try:
+            return self.request("send", weight_version=weight_version, url=url, faults=faults)
+        finally:
+            if paused_here:
+                try:
+                    ctl.resume()
+                except EngineControlError:  # the sync killed or hung it: the test checks
+                    pass
 
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))

@@ -64,6 +64,31 @@ class SyncResult:
 # _start_weight_update (0.27.1 and 0.32), vllm-ascend worker/worker.py:303 (182b75e).
 ABANDONED_UPDATE = "start_weight_update called while a weight update is already active"
 
+NOT_PAUSED = (
+    "the engine is not paused: pause it before send_weights (/pause, "
+    "EngineControlClient.pause) and resume after. A forward pass during an update would run "
+    "on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; vllm-ascend's "
+    "ACL graphs) no hook can stop it. Or init with on_failure='hold', which holds generation "
+    "in the plugin scheduler while an update is open. Nothing was sent."
+)
+
+
+def engine_paused(client: Any) -> bool | None:
+    """Whether the engine behind ``client`` is paused: asked over HTTP (``/is_paused``) for
+    an HTTP client, through ``client.is_paused()`` where it has one; None if it cannot tell."""
+    ask = getattr(client, "is_paused", None)
+    if callable(ask):
+        return ask()
+    base_url = getattr(client, "base_url", None)
+    if not base_url:
+        return None
+    from vllm_ascend_rl.client import EngineControlClient, EngineControlError
+
+    try:
+        return EngineControlClient(base_url, timeout_s=30).is_paused()
+    except EngineControlError as e:
+        raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
+
 
 def server_message(e: BaseException) -> str:
     """The most useful text of an exception from a weight-sync client call."""
@@ -272,6 +297,17 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
             pass
 
     # -- the update --------------------------------------------------------------------
+    def _require_paused(self) -> None:
+        """Refuse to open an update while the engine generates (unless ``hold``): the
+        engine's forward guard is a Python hook, which graph replay bypasses."""
+        if self.init_info.on_failure == "hold":
+            return
+        paused = engine_paused(self.client)
+        if paused is None:
+            logger.warning("cannot tell whether %s is paused: pause it first", self.engine_name)
+        elif not paused:
+            raise WeightSyncError(NOT_PAUSED)
+
     def _start_update(self) -> None:
         """``start_weight_update``; if vLLM's worker still counts an abandoned update as open
         (a trainer died before ``finish_weight_update``), end that one first. Our engines'
@@ -291,6 +327,7 @@ class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
         Retried once if the handshake met an earlier refused call's (STALE_HANDSHAKE)."""
         for attempt in (1, 2):
             try:
+                self._require_paused()
                 self._start_update()
             except WeightSyncError as e:
                 self._cancel(str(e))
