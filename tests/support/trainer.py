@@ -46,6 +46,8 @@ class TrainerProcess:
         log_path: str | os.PathLike | None = None,
     ) -> None:
         self.model_path = str(model_path)
+        self.last_url: str | None = None
+        self.holds: dict[str, bool] = {}  # url -> initialized with on_failure="hold"
         self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.trainer", self.model_path],
@@ -105,6 +107,7 @@ class TrainerProcess:
         (an external load balancer): each has its own connection, kept by URL."""
         self.request("init", backend=backend, url=url, init_info=init_info)
         self.last_url = url
+        self.holds[url] = init_info.get("on_failure") == "hold"
 
     def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
         """Form torch.distributed's default (gloo) group with the other trainer processes,
@@ -121,11 +124,13 @@ class TrainerProcess:
     ) -> dict:
         """Sync the engine at ``url`` (default: the one initialized last). ``pause``: an
         engine that is not paused is paused (``keep``) for the sync and resumed after, as an
-        RL loop does (``send_weights`` refuses an engine that generates)."""
+        RL loop does (``send_weights`` refuses an engine that generates, unless the update
+        holds generation itself: ``on_failure="hold"``)."""
         from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
-        target = url or getattr(self, "last_url", None)
-        ctl = EngineControlClient(target, timeout_s=60) if pause and target else None
+        target = url or self.last_url
+        pause = pause and target is not None and not self.holds.get(target, False)
+        ctl = EngineControlClient(target, timeout_s=60) if pause else None
         try:
             paused_here = ctl is not None and ctl.is_paused() is False
         except EngineControlError:  # the engine is gone: the sync reports it

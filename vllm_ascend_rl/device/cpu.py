@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import re
@@ -61,7 +60,6 @@ class CpuDevice(Device):
         super().__init__(index)
         self._carver = SegmentCarver()
         self._queued = QueuedCollectives()
-        atexit.register(self._queued.drain)  # torch_npu synchronizes used devices at exit
 
     def collective_issued(self, work: Any, exec_timeout_s: float) -> None:
         self._queued.add(work, exec_timeout_s)
@@ -164,10 +162,11 @@ class QueuedCollectives:
     """The stand-in for collectives queued on an NPU's HCCL stream. A gloo collective runs
     on a host thread and gives up on a dead peer by itself; an HCCL one is a device task that
     stays queued until it completes or the communicator's exec timeout passes, failed or not,
-    and a device-wide synchronize waits for it: ``torch.npu.synchronize``, ``emptyCache``
+    and a device-wide synchronize waits for it: ``torch.npu.synchronize`` and ``emptyCache``
     (which starts with ``npuSynchronizeDevice``, NPUCachingAllocator.cpp:1651-1660 in
-    2.10.0.post4) and the exit sync (``npuSynchronizeUsedDevices``). So on CPU too, a collective
-    that did not succeed holds :meth:`drain` until its exec deadline."""
+    2.10.0.post4). So on CPU too, a collective that did not succeed holds :meth:`drain` until
+    its exec deadline. (The exit sync, ``npuSynchronizeUsedDevices``, waits the same way; the
+    stand-in does not make process exit wait.)"""
 
     def __init__(self) -> None:
         self._works: list[tuple[Any, float]] = []  # (work, exec deadline)

@@ -13,6 +13,7 @@ A transport implements ``_connected``, ``_agree``, ``_buckets`` and ``_disconnec
 
 from __future__ import annotations
 
+import time
 from abc import abstractmethod
 from collections.abc import Iterator
 from typing import ClassVar
@@ -75,6 +76,9 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
         self._received = False  # the open update's update_weights completed
         self._mixed = False  # on_failure=hold: a failed update left new and old layers
         self._loading: str | None = None  # the version update_weights is loading, if named
+        # Until then a failed collective may still be queued on the device (until its exec
+        # timeout), and a device-wide sync such as empty_cache would wait behind it.
+        self.device_busy_until = 0.0
         self.hold = HoldPublisher(vllm_config, enabled=self.parallel_config.rank == 0)
         self.base: EngineBase | None = None  # delta=True: the weights we hold, in host memory
 
@@ -249,13 +253,14 @@ class CheckpointEngine(EngineCompat, EngineTransportProbe, WeightTransferEngine)
     def _end_pool(self) -> None:
         """Give the receive pool back and log what it took.
 
-        The device's cache is emptied only after an update that completed. ``empty_cache`` is
-        a device-wide synchronize: after a failure it would wait for a broadcast still queued
-        on a dead trainer (until the communicator's exec timeout), so the failure paths close
-        the connection first and leave the freed blocks to the next update's ``empty_cache``.
+        The device's cache is emptied only after an update that completed, and not while a
+        failed collective may still be queued (``device_busy_until``). ``empty_cache`` is a
+        device-wide synchronize: it would wait for a broadcast still queued on a dead trainer
+        (until the communicator's exec timeout). The freed blocks then stay in the allocator's
+        cache until a later update empties it.
         """
         allocated, peak = self.pool.end_update()
-        if allocated and self._received:
+        if allocated and self._received and time.monotonic() >= self.device_busy_until:
             self.hw.empty_cache()  # released blocks go back to the device, not the allocator
         logger.info(
             "receive pool: %.1f MiB allocated by this update, peak %.1f MiB of device memory "

@@ -18,6 +18,7 @@ Trainer side::
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import ClassVar
@@ -31,6 +32,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_ascend_rl._registration import HCCL_BACKEND
+from vllm_ascend_rl.device.group import exec_timeout_s
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -263,9 +265,13 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
 
     def _disconnect(self) -> None:
         self._owe_stale = False
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        channel, self.channel = self.channel, None
+        if channel is None:
+            return
+        if channel.broken or channel.deferred is not None:  # a collective may stay queued
+            deadline = time.monotonic() + exec_timeout_s(channel.timeout_s)
+            self.device_busy_until = max(self.device_busy_until, deadline)
+        channel.close()
 
 
 class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
