@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import requests
 import torch
@@ -15,6 +17,7 @@ from vllm.distributed.weight_transfer import (
 )
 
 from tests.support import TinyModelSpec, VLLMServer, free_port
+from vllm_ascend_rl.client import EngineControlClient
 
 # The extension lives beside this file; the benchmark servers find it on PYTHONPATH.
 EXT = "bench_worker_ext.WeightSyncBenchExtension"
@@ -59,6 +62,18 @@ def bench_server(path, backend: str) -> VLLMServer:
         ],
         env={"PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))},
     )
+
+
+@contextmanager
+def paused(*urls: str) -> Iterator[None]:
+    """The engines paused (``keep``) inside the block: ``send_weights`` refuses an engine
+    that is not paused."""
+    ctl = EngineControlClient(list(urls))
+    ctl.pause("keep")
+    try:
+        yield
+    finally:
+        ctl.resume()
 
 
 def trainer_engine(backend: str, url: str, model: torch.nn.Module, **init):

@@ -20,7 +20,7 @@ import argparse
 import sys
 
 import torch
-from bench_common import bench_server, big_spec, model_bytes, trainer_engine
+from bench_common import bench_server, big_spec, model_bytes, paused, trainer_engine
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 import vllm_ascend_rl
@@ -62,7 +62,7 @@ def main() -> int:
     shares: dict = {level: [] for level in LEVELS}
     sent: dict = {level: [] for level in LEVELS}
     seed = iter(range(1_000_000))
-    with bench_server(path, "ascend_rl_hccl") as server:
+    with bench_server(path, "ascend_rl_hccl") as server, paused(server.url):
 
         def dense() -> float:
             engine = trainer_engine("ascend_rl_hccl", server.url, model)

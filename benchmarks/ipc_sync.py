@@ -24,7 +24,14 @@ import sys
 import time
 
 import torch
-from bench_common import bench_server, big_spec, model_bytes, trainer_engine, transport_s
+from bench_common import (
+    bench_server,
+    big_spec,
+    model_bytes,
+    paused,
+    trainer_engine,
+    transport_s,
+)
 from rounds import Target, interleaved, median, report, spread
 
 import vllm_ascend_rl
@@ -80,7 +87,10 @@ def main() -> int:
     device = current_device()
     src = torch.ones(nbytes, dtype=torch.uint8, device=device.torch_device())
     dst = torch.zeros_like(src)
-    with serving(bench_server(path, IPC), bench_server(path, HCCL)) as (ipc_server, hccl_server):
+    with (
+        serving(bench_server(path, IPC), bench_server(path, HCCL)) as (ipc_server, hccl_server),
+        paused(ipc_server.url, hccl_server.url),
+    ):
         ipc = trainer_engine(IPC, ipc_server.url, model)
         hccl = trainer_engine(HCCL, hccl_server.url, model)
         try:

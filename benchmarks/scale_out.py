@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench_common import MEDIUM_SPEC, model_bytes, trainer_engine
+from bench_common import MEDIUM_SPEC, model_bytes, paused, trainer_engine
 from rounds import MIN_ROUNDS, interleaved, median, spread
 
 import vllm_ascend_rl
@@ -50,11 +50,12 @@ def pause_generating_ms(urls: list[str]) -> float:
     return out.pause_ms
 
 
-def sync_s(trainers: list) -> float:
-    t0 = time.perf_counter()
-    for t in trainers:
-        t.send_weights()
-    return time.perf_counter() - t0
+def sync_s(trainers: list, urls: list[str]) -> float:
+    with paused(*urls):  # send_weights refuses an engine that is not paused
+        t0 = time.perf_counter()
+        for t in trainers:
+            t.send_weights()
+        return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -77,15 +78,16 @@ def main() -> None:
     with serving(*servers):
         urls = [s.url for s in servers]
         trainers = [trainer_engine("ascend_rl_hccl", u, model) for u in urls]
-        for t in trainers:
-            t.send_weights()  # warm both sides' buffers
+        with paused(*urls):
+            for t in trainers:
+                t.send_weights()  # warm both sides' buffers
 
         def step(n: int):
             def run() -> tuple[float, float, float]:
                 return (
                     pause_idle_ms(urls[:n]),
                     pause_generating_ms(urls[:n]),
-                    sync_s(trainers[:n]),
+                    sync_s(trainers[:n], urls[:n]),
                 )
 
             return run

@@ -38,6 +38,7 @@ from bench_common import (
     big_spec,
     load_only_s,
     model_bytes,
+    paused,
     trainer_engine,
     transport_s,
 )
@@ -120,7 +121,7 @@ def big_model_rounds(spec: TinyModelSpec, rounds: int) -> tuple[dict, list[Targe
     model = load_hf_model(path)
     nbytes = model_bytes(model)
     print(f"[1GB-bf16] {nbytes / 1e9:.2f} GB; starting vLLM ...", flush=True)
-    with bench_server(path, HCCL) as server:
+    with bench_server(path, HCCL) as server, paused(server.url):
         engine = trainer_engine(HCCL, server.url, model)
         try:
             engine.send_weights()  # warm both sides' buffers
@@ -164,7 +165,7 @@ def small_model_rounds(spec: TinyModelSpec, rounds: int) -> tuple[dict, Target]:
     path = build_tiny_model(spec)
     model = load_hf_model(path)
     print(f"[many-small] {sum(1 for _ in model.parameters())} tensors; starting vLLM ...")
-    with bench_server(path, HCCL) as server:
+    with bench_server(path, HCCL) as server, paused(server.url):
 
         def sync(packed: bool) -> float:
             engine = trainer_engine(HCCL, server.url, model, packed=packed)

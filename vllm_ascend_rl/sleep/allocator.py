@@ -402,9 +402,9 @@ def _default_backend() -> str:
 def check_npu_alloc_conf() -> None:
     """Refuse torch_npu allocator settings under which it maps or frees pool memory behind
     our back: expandable segments (its expandable branch runs before the pool branch,
-    NPUCachingAllocator.cpp:2773-2790 in torch_npu v2.10.0) and ``max_split_size_mb`` (its
-    OOM retry releases cached blocks of the current pool with a plain ``aclrtFree``,
-    ``:2840-2887``, ``:2965-2981``)."""
+    NPUCachingAllocator.cpp:2707-2724 in torch_npu 2.10.0.post4) and ``max_split_size_mb``
+    (its OOM retry, ``release_available_cached_blocks`` ``:2764``, releases cached blocks of
+    the current pool with a plain ``aclrtFree`` in ``release_block``, ``:2858-2897``)."""
     conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "").replace(" ", "").lower()
     if "expandable_segments:true" in conf:
         raise SleepError(
