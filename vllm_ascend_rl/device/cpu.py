@@ -110,8 +110,7 @@ class CpuDevice(Device):
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
     def empty_cache(self) -> None:
-        self._check_own_chip()
-        self._queued.drain()  # torch_npu's emptyCache synchronizes the device first
+        self.synchronize()  # torch_npu's emptyCache synchronizes the device first
         # glibc keeps freed chunks below its (dynamic, up to 32 MiB) mmap threshold in its
         # arenas; malloc_trim hands them back to the kernel.
         try:
@@ -174,17 +173,21 @@ class QueuedCollectives:
 
     def add(self, work: Any, exec_timeout_s: float) -> None:
         with self._lock:
-            self._works = [w for w in self._works if _queued(*w)]
+            self._prune()
             self._works.append((work, time.monotonic() + exec_timeout_s))
 
     def drain(self) -> None:
         """Return once no collective is queued: each has succeeded or reached its deadline."""
         while True:
             with self._lock:
-                self._works = [w for w in self._works if _queued(*w)]
-                if not self._works:
+                if not self._prune():
                     return
             time.sleep(0.01)
+
+    def _prune(self) -> int:
+        """Forget the collectives that left the queue; how many remain (lock held)."""
+        self._works = [w for w in self._works if _queued(*w)]
+        return len(self._works)
 
 
 def _queued(work: Any, deadline: float) -> bool:
