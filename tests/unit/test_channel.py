@@ -84,8 +84,11 @@ def test_a_missing_peer_times_out_and_breaks_the_channel():
 
 
 def test_poll_abandons_a_wait():
+    done = threading.Event()
+
     def body(ch):
-        if ch.rank == 1:
+        if ch.rank == 1:  # alive, never joins: only the poll can end rank 0's wait
+            done.wait(30)
             return None
 
         def poll():
@@ -93,6 +96,7 @@ def test_poll_abandons_a_wait():
 
         with pytest.raises(ChannelError, match="the HTTP side failed"):
             ch.agree(True, 1, "handshake", poll)
+        done.set()
         return "abandoned"
 
     assert run_ranks(2, body, timeout_s=30)[0] == "abandoned"
