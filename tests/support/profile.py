@@ -13,20 +13,28 @@ chip disturb each other's KV-cache sizing):
 - an HCCL trainer rank takes a chip of its own: the highest chip its engine does not use
   (HCCL needs one rank per device).
 
-On CPU a server's workers emulate chips ``0..n-1`` (``cpu0``, ``cpu1``) and nothing is shared.
+On CPU the same pool hands out :data:`CPU_HOST_CHIPS` emulated chips
+(``vllm_ascend_rl.device.cpu_chip``): their memory is device-wide through a ledger of this test
+session, and a CPU worker sizes its start-up from it as vllm-ascend does, so a layout that starts
+two servers on one chip together fails on CPU too.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ascend_rl.device import device_kind
+from vllm_ascend_rl.device.cpu_chip import LEDGER_ENV, VISIBLE_ENV
 
+CPU_HOST_CHIPS = 8  # the emulated host: an Atlas 800 A2's eight chips
 CPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
 NPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker"
 
@@ -49,32 +57,28 @@ class DeviceProfile:
     def chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """Environment that puts a process on ``chips`` (of the host's visible ones)."""
         if self.kind != "npu":
-            return {}
+            return {VISIBLE_ENV: ",".join(map(str, chips)), LEDGER_ENV: chip_pool().ledger}
         return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(self.chip_name(c) for c in chips)}
 
     def take_chips(self, server: Any, count: int) -> list[int]:
-        """The chips ``server`` runs on until :meth:`give_back_chips`: on NPU its own from the
-        pool, on CPU the ``count`` chips its workers emulate."""
-        if self.kind != "npu":
-            return list(range(count))
+        """The chips ``server`` runs on until :meth:`give_back_chips`: its own from the pool."""
         return chip_pool().take(server, count)
 
     def give_back_chips(self, server: Any) -> None:
-        if self.kind == "npu":
-            chip_pool().give_back(server)
+        chip_pool().give_back(server)
 
     def chip_sharers(self, server: Any) -> list[Any]:
-        """The other servers on one of ``server``'s chips (only on NPU, and only on a host
-        with too few chips)."""
-        return chip_pool().sharers(server) if self.kind == "npu" else []
+        """The other servers on one of ``server``'s chips (only on a host with too few)."""
+        return chip_pool().sharers(server)
 
 
 class ChipPool:
     """The host's NPU chips, handed out to the servers this process starts: each takes the
     lowest chips nobody holds; when too few are free, the least shared ones."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, ledger: str = "") -> None:
         self.count = count
+        self.ledger = ledger  # CPU: the emulated chips' memory ledger of this session
         self._held: dict[int, list[Any]] = {chip: [] for chip in range(count)}
         self._lock = threading.Lock()
 
@@ -108,12 +112,17 @@ _POOL_LOCK = threading.Lock()
 
 
 def chip_pool() -> ChipPool:
-    """This process's pool of the host's chips: those ``ASCEND_RT_VISIBLE_DEVICES`` names,
-    else every ``/dev/davinci<N>``."""
+    """This process's pool of the host's chips: on NPU those ``ASCEND_RT_VISIBLE_DEVICES``
+    names, else every ``/dev/davinci<N>``; on CPU :data:`CPU_HOST_CHIPS` emulated ones."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = ChipPool(_host_chip_count())
+            if device_kind() == "npu":
+                _POOL = ChipPool(_host_chip_count())
+            else:
+                ledger = tempfile.mkdtemp(prefix="vllm_ascend_rl_chip_ledger-")
+                atexit.register(shutil.rmtree, ledger, ignore_errors=True)
+                _POOL = ChipPool(CPU_HOST_CHIPS, ledger)
         return _POOL
 
 
@@ -156,8 +165,6 @@ def trainer_chip(engine_chips: Sequence[int] | int, colocated: bool, rank: int =
     chips = list(range(engine_chips)) if isinstance(engine_chips, int) else list(engine_chips)
     if colocated:
         return chips[rank]
-    if current_profile().kind != "npu":
-        return max(chips, default=-1) + 1 + rank  # an emulated chip no worker uses
     own = [c for c in reversed(range(chip_pool().count)) if c not in chips]
     if rank >= len(own):
         raise RuntimeError(
@@ -170,5 +177,10 @@ def trainer_chip(engine_chips: Sequence[int] | int, colocated: bool, rank: int =
 def trainer_env(
     engine_chips: Sequence[int] | int, colocated: bool, rank: int = 0
 ) -> dict[str, str]:
-    """A trainer rank's environment: it puts the process on :func:`trainer_chip`."""
-    return current_profile().chips_env([trainer_chip(engine_chips, colocated, rank)])
+    """A trainer rank's environment: it puts the process on :func:`trainer_chip`. (A CPU
+    trainer rank ``r`` emulates logical chip ``r``: colocated, it sees its engine's chips.)"""
+    profile = current_profile()
+    if profile.kind != "npu":
+        chips = list(range(engine_chips)) if isinstance(engine_chips, int) else engine_chips
+        return profile.chips_env(chips) if colocated else {}
+    return profile.chips_env([trainer_chip(engine_chips, colocated, rank)])

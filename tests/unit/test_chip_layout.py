@@ -57,12 +57,22 @@ def test_hccl_trainer_ranks_take_the_highest_chips_the_engine_does_not_use(npu_h
         trainer_chip([0, 1, 2, 3], colocated=False)
 
 
-def test_cpu_servers_emulate_their_chips_and_share_nothing(monkeypatch):
+def test_cpu_servers_take_emulated_chips_that_share_one_memory_ledger(monkeypatch):
     monkeypatch.setenv("VLLM_ASCEND_RL_DEVICE", "cpu")
+    monkeypatch.setattr(profile, "_POOL", None)
     cpu = current_profile()
     a, b = object(), object()
-    assert cpu.take_chips(a, 2) == [0, 1] and cpu.take_chips(b, 1) == [0]
-    assert cpu.chip_sharers(b) == [] and cpu.chips_env([0]) == {}
+    assert cpu.take_chips(a, 2) == [0, 1] and cpu.take_chips(b, 1) == [2]
+    assert cpu.chip_sharers(b) == []
+    env = cpu.chips_env([2])
+    assert env["VLLM_ASCEND_RL_CPU_CHIPS"] == "2"
+    assert (
+        env["VLLM_ASCEND_RL_CPU_CHIP_LEDGER"]
+        == cpu.chips_env([0, 1])["VLLM_ASCEND_RL_CPU_CHIP_LEDGER"]
+    )
+    # A CPU trainer rank r emulates logical chip r: colocated, it sees its engine's chips.
+    assert trainer_env([0, 1], colocated=True, rank=1)["VLLM_ASCEND_RL_CPU_CHIPS"] == "0,1"
+    assert trainer_env([0, 1], colocated=False) == {}
 
 
 def test_a_pool_of_one_chip_is_shared_by_every_server():

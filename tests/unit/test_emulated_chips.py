@@ -1,12 +1,18 @@
-"""The CPU stand-in's one chip per engine worker (N1): a worker process owns one emulated
-chip, its sleep allocator serves that chip, and touching another chip is an error, as an NPU
-worker that used chip 0 would pool nothing on its own chip.
+"""The CPU stand-in's emulated chips.
 
-Each case runs in a fresh process: the chip a process serves is process-wide.
+One chip per engine worker (N1): a worker process owns one emulated chip, its sleep allocator
+serves that chip, and touching another chip is an error, as an NPU worker that used chip 0
+would pool nothing on its own chip. Each such case runs in a fresh process: the chip a
+process serves is process-wide.
+
+Device-wide memory (N7): every process on a chip shares its memory, and a worker sizes its
+start-up from it as vllm-ascend's does, so servers that start together on one chip fail.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -25,7 +31,7 @@ def run(code: str) -> subprocess.CompletedProcess:
 
 def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():
     out = run("""
-        from vllm_ascend_rl.device.cpu import claim_chip
+        from vllm_ascend_rl.device.cpu_chip import claim_chip
         from vllm_ascend_rl.sleep.allocator import CaMemAllocator
         from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
         backend = CaMemSleepBackend()          # vLLM's factory, in the worker's __init__
@@ -45,7 +51,7 @@ def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():
 def test_an_allocator_made_for_chip_0_fails_on_the_worker_of_chip_1():
     """e2f0888's order: the allocator was made before init_device, on device 0."""
     out = run("""
-        from vllm_ascend_rl.device.cpu import claim_chip
+        from vllm_ascend_rl.device.cpu_chip import claim_chip
         from vllm_ascend_rl.sleep.allocator import CaMemAllocator
         allocator = CaMemAllocator.get_instance("host", device=0)
         claim_chip(1)
@@ -77,9 +83,86 @@ def test_the_allocator_refuses_to_guess_or_change_its_device(call, words):
 
 def test_a_process_serves_one_chip():
     out = run("""
-        from vllm_ascend_rl.device.cpu import claim_chip
+        from vllm_ascend_rl.device.cpu_chip import claim_chip
         claim_chip(1)
         claim_chip(1)
         claim_chip(2)
     """)
     assert "this process already serves emulated chip 1" in out.stderr
+
+
+# -- device-wide memory (N7's shape) ------------------------------------------------------
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_ASCEND_RL_CPU_CHIP_LEDGER", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def other_server():
+    """A live process standing for another server on the chip (its ledger entry counts only
+    while it runs)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    if proc.poll() is None and proc.returncode is None:
+        proc.kill()
+    try:
+        proc.wait(10)
+    except ChildProcessError:
+        pass
+
+
+def test_servers_on_one_chip_started_one_after_the_other_fit(ledger, other_server):
+    from vllm_ascend_rl.device.cpu_chip import CHIP_BYTES, ChipMemory, StartupMemory
+
+    chip = ChipMemory(3)
+    chip.record(int(0.4 * CHIP_BYTES), pid=other_server)  # the first server is up
+    start = StartupMemory.take(chip, 0.4)
+    chip.record(1 << 20)  # this worker's weights
+    assert start.kv_budget(own_bytes=1 << 20) == start.requested - (1 << 20)
+
+
+def test_a_server_starting_while_another_on_its_chip_profiles_gets_no_kv_cache(
+    ledger, other_server
+):
+    """e2f0888's NPU layout: two servers on one chip started together. The other's start-up
+    lands in this worker's profile window and counts as this worker's own use."""
+    from vllm_ascend_rl.device.cpu_chip import CHIP_BYTES, ChipMemory, StartupMemory
+
+    chip = ChipMemory(0)
+    start = StartupMemory.take(chip, 0.4)
+    chip.record(int(0.4 * CHIP_BYTES), pid=other_server)
+    with pytest.raises(ValueError, match="No available memory for the cache blocks"):
+        start.kv_budget(own_bytes=1 << 20)
+
+
+def test_two_servers_of_half_a_chip_each_never_fit_on_it(ledger, other_server):
+    from vllm_ascend_rl.device.cpu_chip import CHIP_BYTES, ChipMemory, StartupMemory
+
+    chip = ChipMemory(0)
+    chip.record(int(0.5 * CHIP_BYTES) + (1 << 20), pid=other_server)
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization"):
+        StartupMemory.take(chip, 0.5)
+
+
+def test_a_process_that_exits_gives_its_chip_memory_back(ledger, other_server):
+    from vllm_ascend_rl.device.cpu_chip import CHIP_BYTES, ChipMemory
+
+    chip = ChipMemory(5)
+    chip.record(1 << 30, pid=other_server)
+    assert chip.mem_get_info() == (CHIP_BYTES - (1 << 30), CHIP_BYTES)
+    assert ChipMemory(4).mem_get_info()[0] == CHIP_BYTES  # other chips are not touched
+    os.kill(other_server, signal.SIGKILL)
+    os.waitpid(other_server, 0)  # gone (the fixture's own kill then finds nothing)
+    assert chip.mem_get_info()[0] == CHIP_BYTES
+
+
+def test_a_process_sees_the_host_chips_it_is_given(monkeypatch):
+    from vllm_ascend_rl.device import get_device
+    from vllm_ascend_rl.device.cpu_chip import host_chip
+
+    monkeypatch.setenv("VLLM_ASCEND_RL_CPU_CHIPS", "4,6")
+    assert [host_chip(0), host_chip(1)] == [4, 6]
+    assert get_device("cpu", 1).location()["chip"] == "cpu6"
+    with pytest.raises(RuntimeError, match="emulated chip 2 is not visible"):
+        host_chip(2)

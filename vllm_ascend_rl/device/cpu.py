@@ -21,8 +21,10 @@ from vllm_ascend_rl.device import (
     ImportedBuffer,
     IpcHandleError,
     check_same_location,
+    host_identity,
     ipc_buffer_id,
 )
+from vllm_ascend_rl.device.cpu_chip import check_own_chip, host_chip
 
 SHM_PREFIX = "vllm_ascend_rl_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
@@ -37,18 +39,6 @@ def _host_kernels():
     from vllm_ascend_rl import _host
 
     return _host
-
-
-_CLAIMED: list[int] = []  # the emulated chip this process's engine worker owns, once known
-
-
-def claim_chip(index: int) -> None:
-    """This process is the engine worker of emulated chip ``index`` from now on: it may touch
-    no other chip's memory (a stand-in for an NPU worker's one device; a worker that used
-    another chip would open a context there and pool nothing on its own)."""
-    if _CLAIMED and _CLAIMED[0] != index:
-        raise RuntimeError(f"this process already serves emulated chip {_CLAIMED[0]}")
-    _CLAIMED[:] = [index]
 
 
 class CpuDevice(Device):
@@ -69,11 +59,10 @@ class CpuDevice(Device):
         self._queued.drain()
 
     def _check_own_chip(self) -> None:
-        if _CLAIMED and _CLAIMED[0] != self.index:
-            raise RuntimeError(
-                f"the engine worker of emulated chip {_CLAIMED[0]} touched chip {self.index}: "
-                "on an NPU that would open a context on another worker's chip and miss its own"
-            )
+        check_own_chip(self.index)
+
+    def location(self) -> dict[str, str]:
+        return {**host_identity(), "chip": f"{self.kind}{host_chip(self.index)}"}
 
     def torch_device(self, index: int | None = None) -> torch.device:
         return torch.device("cpu")

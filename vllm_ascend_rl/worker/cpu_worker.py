@@ -21,7 +21,7 @@ import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ascend_rl.device import worker_index
-from vllm_ascend_rl.device.cpu import claim_chip
+from vllm_ascend_rl.device.cpu_chip import ChipMemory, StartupMemory, claim_chip, host_chip
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 from vllm_ascend_rl.worker import (
@@ -47,7 +47,28 @@ class SleepableCPUWorker(SleepableMixin, CPUWorker):
 
     def init_device(self) -> None:
         super().init_device()
-        claim_chip(worker_index(self.parallel_config))  # one emulated chip per worker
+        index = worker_index(self.parallel_config)
+        claim_chip(index)  # one emulated chip per worker
+        # The chip's memory is device-wide, as vllm-ascend's worker sees it at start-up.
+        self.chip_memory = StartupMemory.take(
+            ChipMemory(host_chip(index)), self.cache_config.gpu_memory_utilization
+        )
+
+    def load_model(self) -> None:
+        super().load_model()
+        self.chip_memory.chip.record(self._weight_bytes())
+
+    def determine_available_memory(self) -> int:
+        kv_bytes = super().determine_available_memory()
+        # On an NPU the KV cache takes what the profile leaves of the request: the worker
+        # then holds the whole request. Others' start-up in the window shrinks it to nothing.
+        self.chip_memory.kv_budget(own_bytes=self._weight_bytes())
+        self.chip_memory.chip.record(self.chip_memory.requested)
+        return kv_bytes
+
+    def _weight_bytes(self) -> int:
+        model = self.model_runner.get_model()
+        return sum(p.numel() * p.element_size() for p in model.parameters())
 
     @property
     def allocator(self) -> CaMemAllocator:

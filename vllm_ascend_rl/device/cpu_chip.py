@@ -1,0 +1,148 @@
+"""Emulated chips of the CPU stand-in, strict where our code depends on how NPU chips behave.
+
+- **One chip per engine worker.** :func:`claim_chip` makes the process the worker of one
+  chip; touching another chip's memory is then an error (on an NPU it would open a context on
+  another worker's chip and pool nothing on its own).
+- **Which chips a process sees.** ``VLLM_ASCEND_RL_CPU_CHIPS`` ("4,5") maps a process's
+  logical chip indices to host chips, as ``ASCEND_RT_VISIBLE_DEVICES`` does on NPU; unset,
+  logical index = host chip.
+- **Device-wide memory.** Every process on a chip shares its :data:`CHIP_BYTES`: an NPU's free
+  memory (``torch.npu.mem_get_info``) counts every process's allocations, and vllm-ascend sizes
+  the KV cache from it at start-up (``vllm_ascend/worker/worker.py:424-436`` refuses a start
+  with less free than ``gpu_memory_utilization`` x total; ``:512-547`` counts memory others took
+  during the profile as this worker's and gives the KV cache only what is left). Processes on
+  one host share it through a ledger directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``): one file
+  per (chip, process) holding the bytes the process uses there; a dead process's file counts
+  for nothing, as its device memory is freed when it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+CHIP_BYTES = 64 << 30  # an Atlas A2 (910B) chip's HBM
+VISIBLE_ENV = "VLLM_ASCEND_RL_CPU_CHIPS"
+LEDGER_ENV = "VLLM_ASCEND_RL_CPU_CHIP_LEDGER"
+
+_CLAIMED: list[int] = []  # the logical chip this process's engine worker owns, once known
+
+
+def claim_chip(index: int) -> None:
+    """This process is the engine worker of logical chip ``index`` from now on: it may touch
+    no other chip's memory."""
+    if _CLAIMED and _CLAIMED[0] != index:
+        raise RuntimeError(f"this process already serves emulated chip {_CLAIMED[0]}")
+    _CLAIMED[:] = [index]
+
+
+def check_own_chip(index: int) -> None:
+    if _CLAIMED and _CLAIMED[0] != index:
+        raise RuntimeError(
+            f"the engine worker of emulated chip {_CLAIMED[0]} touched chip {index}: "
+            "on an NPU that would open a context on another worker's chip and miss its own"
+        )
+
+
+def host_chip(index: int) -> int:
+    """The host chip behind logical chip ``index`` of this process."""
+    visible = os.environ.get(VISIBLE_ENV)
+    if not visible:
+        return index
+    chips = [int(c) for c in visible.split(",")]
+    if not 0 <= index < len(chips):
+        raise RuntimeError(f"emulated chip {index} is not visible ({VISIBLE_ENV}={visible})")
+    return chips[index]
+
+
+def _ledger_root() -> Path:
+    root = os.environ.get(LEDGER_ENV) or os.path.join(
+        tempfile.gettempdir(), "vllm_ascend_rl_chip_ledger"
+    )
+    return Path(root)
+
+
+class ChipMemory:
+    """Device-wide memory of host chip ``chip``, shared by every process on this host."""
+
+    def __init__(self, chip: int) -> None:
+        self.chip = chip
+        self.dir = _ledger_root() / f"chip{chip}"
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes, counting every live process's use, as on an NPU."""
+        used = 0
+        for entry in self.dir.glob("*") if self.dir.is_dir() else ():
+            pid = int(entry.name) if entry.name.isdigit() else 0
+            if pid and _alive(pid):
+                try:
+                    used += int(entry.read_text() or 0)
+                except (OSError, ValueError):
+                    pass  # being replaced: os.replace makes the next read whole
+        return max(0, CHIP_BYTES - used), CHIP_BYTES
+
+    def record(self, nbytes: int, pid: int | None = None) -> None:
+        """This process (or ``pid``) now uses ``nbytes`` of the chip."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.dir / str(pid or os.getpid())
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(int(nbytes)))
+        os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class StartupMemory:
+    """A worker's view of its chip at start-up, as vllm-ascend's ``init_snapshot``."""
+
+    chip: ChipMemory
+    free: int
+    total: int
+    requested: int  # gpu_memory_utilization x total
+
+    @classmethod
+    def take(cls, chip: ChipMemory, utilization: float) -> StartupMemory:
+        """Refuse a start with less free memory than requested (vllm-ascend
+        ``worker.py:426-436``: two servers on one chip must fit together)."""
+        free, total = chip.mem_get_info()
+        requested = int(total * utilization)
+        if free < requested:
+            raise ValueError(
+                f"Free memory on emulated chip {chip.chip} ({free / 2**30:.2f}/"
+                f"{total / 2**30:.2f} GiB) on startup is less than desired GPU memory "
+                f"utilization ({utilization}, {requested / 2**30:.2f} GiB). Decrease GPU "
+                "memory utilization or reduce GPU memory used by other processes."
+            )
+        return cls(chip, free, total, requested)
+
+    def kv_budget(self, own_bytes: int) -> int:
+        """What the KV cache gets after the profile: the request less this worker's own use
+        (``own_bytes``) and less whatever other processes took meanwhile, which vllm-ascend
+        cannot tell from its own (``worker.py:512-547``)."""
+        free_now, _ = self.chip.mem_get_info()
+        if free_now + own_bytes > self.free:
+            raise AssertionError(
+                f"Error in memory profiling on emulated chip {self.chip.chip}: free memory "
+                "grew while profiling (another process on the chip released memory)"
+            )
+        others = self.free - free_now - own_bytes
+        budget = self.requested - own_bytes - others
+        if budget <= 0:
+            raise ValueError(
+                f"No available memory for the cache blocks on emulated chip {self.chip.chip}:"
+                f" {others / 2**30:.2f} GiB were taken by other processes on the chip while "
+                "this worker profiled its memory (start servers that share a chip one after "
+                "the other)"
+            )
+        return budget
