@@ -20,6 +20,7 @@ from tests.support import (
     complete,
     engine_args,
 )
+from tests.support.server import serving
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(600)]
@@ -30,18 +31,33 @@ LONG = 1500  # tokens: several seconds of decoding, so a pause lands mid-stream
 OBSERVE_S = 1.0  # window in which a paused engine must produce nothing
 
 
-@pytest.fixture(scope="module", params=["plugin", "plugin-bounce", "default"])
-def server(request, tiny_model, tmp_path_factory):
-    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    if request.param.startswith("plugin"):
-        args += ["--scheduler-cls", PLUGIN_SCHEDULER]
-    bounce = {"ascend_rl": {"recompute_mode": "bounce"}} if request.param == "plugin-bounce" else {}
-    log = tmp_path_factory.mktemp("logs") / f"server-{request.param}.log"
-    srv = VLLMServer(tiny_model, extra_args=args, log_path=log, additional_config=bounce)
-    srv.start()
-    srv.scheduler_kind = request.param
-    yield srv
-    srv.stop()
+SCHEDULERS = ("plugin", "plugin-bounce", "default")
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory):
+    """One server per scheduler, started side by side."""
+    logs = tmp_path_factory.mktemp("logs")
+    found = {}
+    for kind in SCHEDULERS:
+        args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+        if kind.startswith("plugin"):
+            args += ["--scheduler-cls", PLUGIN_SCHEDULER]
+        bounce = {"ascend_rl": {"recompute_mode": "bounce"}} if kind == "plugin-bounce" else {}
+        found[kind] = VLLMServer(
+            tiny_model,
+            extra_args=args,
+            log_path=logs / f"server-{kind}.log",
+            additional_config=bounce,
+        )
+        found[kind].scheduler_kind = kind
+    with serving(*found.values()):
+        yield found
+
+
+@pytest.fixture(scope="module", params=SCHEDULERS)
+def server(request, servers):
+    return servers[request.param]
 
 
 @pytest.fixture

@@ -60,6 +60,16 @@ class DeviceProfile:
             return {VISIBLE_ENV: ",".join(map(str, chips)), LEDGER_ENV: chip_pool().ledger}
         return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(self.chip_name(c) for c in chips)}
 
+    def server_chips_env(self, chips: Sequence[int]) -> dict[str, str]:
+        """A server's environment on ``chips``. On CPU each worker's OpenMP threads are also
+        bound to a core of its own chip's (vLLM's automatic binding puts every server's
+        worker on core 0, so two servers would share one core of the host)."""
+        env = self.chips_env(chips)
+        if self.kind != "npu":
+            cores = sorted(os.sched_getaffinity(0))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cores[c % len(cores)]) for c in chips)
+        return env
+
     def take_chips(self, server: Any, count: int) -> list[int]:
         """The chips ``server`` runs on until :meth:`give_back_chips`: its own from the pool."""
         return chip_pool().take(server, count)

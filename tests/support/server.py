@@ -135,7 +135,11 @@ class VLLMServer:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     self.command(),
-                    env={**self.env, **self.profile.chips_env(self.chips), **self._caller_env},
+                    env={
+                        **self.env,
+                        **self.profile.server_chips_env(self.chips),
+                        **self._caller_env,
+                    },
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
