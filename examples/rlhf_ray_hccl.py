@@ -231,20 +231,8 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
         return {"num_cpus": 1, "scheduling_strategy": strategy, **npu}
 
     device = "cpu" if args.device == "cpu" else "npu"
-
-    def engine_in_bundle(i: int) -> dict:
-        """On CPU an engine's worker also gets a core of its own, as it would get its own NPU
-        (vLLM's automatic CPU binding puts every engine's worker on core 0)."""
-        if device != "cpu":
-            return in_bundle(i)
-        cores = sorted(os.sched_getaffinity(0))
-        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[(i - 1) % len(cores)])}
-        return {**in_bundle(i), "runtime_env": {"env_vars": bind}}
-
     trainer = Trainer.options(**in_bundle(0)).remote(v2, device)
-    engines = [
-        Engine.options(**engine_in_bundle(i)).remote(engine_kwargs(v1, device)) for i in (1, 2)
-    ]
+    engines = [Engine.options(**in_bundle(i)).remote(engine_kwargs(v1, device)) for i in (1, 2)]
     ray.get(trainer.connect.remote(engines, workers_per_engine=1))
     print("trainer connected to both engines (one HCCL group each, world size 2)")
 
@@ -267,7 +255,7 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
     ray.kill(trainer)
 
     # -- 3. validate against a fresh engine on v2 ---------------------------------------------
-    reference = Engine.options(**engine_in_bundle(1)).remote(engine_kwargs(v2, device, False))
+    reference = Engine.options(**in_bundle(1)).remote(engine_kwargs(v2, device, False))
     checks = []
     for r in results:
         split = r["at_pause"]
