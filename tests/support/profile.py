@@ -83,8 +83,8 @@ class DeviceProfile:
 
 
 class ChipPool:
-    """The host's NPU chips, handed out to the servers this process starts: each takes the
-    lowest chips nobody holds; when too few are free, the least shared ones."""
+    """The host's chips (NPU or emulated), handed out to the servers this process starts:
+    each takes the lowest chips nobody holds; when too few are free, the least shared ones."""
 
     def __init__(self, count: int, ledger: str = "") -> None:
         self.count = count
@@ -166,13 +166,18 @@ def current_profile() -> DeviceProfile:
     return DeviceProfile(kind="cpu", sleepable_worker=CPU_SLEEPABLE_WORKER, memory_fraction="0.1")
 
 
+def _engine_chip_list(engine_chips: Sequence[int] | int) -> list[int]:
+    """The engine's chips, or the lowest ``engine_chips`` when given a count."""
+    return list(range(engine_chips)) if isinstance(engine_chips, int) else list(engine_chips)
+
+
 def trainer_chip(engine_chips: Sequence[int] | int, colocated: bool, rank: int = 0) -> int:
     """The chip of trainer rank ``rank``: its engine worker's chip when colocated (NPU IPC);
     otherwise (HCCL) one of its own, the ``rank``-th highest the engine does not use.
 
     ``engine_chips``: the engine's chips (``VLLMServer.chips``; several engines behind a load
     balancer: all of theirs), or how many it has when it holds the lowest ones."""
-    chips = list(range(engine_chips)) if isinstance(engine_chips, int) else list(engine_chips)
+    chips = _engine_chip_list(engine_chips)
     if colocated:
         return chips[rank]
     own = [c for c in reversed(range(chip_pool().count)) if c not in chips]
@@ -191,6 +196,5 @@ def trainer_env(
     trainer rank ``r`` emulates logical chip ``r``: colocated, it sees its engine's chips.)"""
     profile = current_profile()
     if profile.kind != "npu":
-        chips = list(range(engine_chips)) if isinstance(engine_chips, int) else engine_chips
-        return profile.chips_env(chips) if colocated else {}
+        return profile.chips_env(_engine_chip_list(engine_chips)) if colocated else {}
     return profile.chips_env([trainer_chip(engine_chips, colocated, rank)])

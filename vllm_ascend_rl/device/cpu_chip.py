@@ -97,8 +97,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, another user's
+        pass
     return True
 
 
@@ -108,7 +108,6 @@ class StartupMemory:
 
     chip: ChipMemory
     free: int
-    total: int
     requested: int  # gpu_memory_utilization x total
 
     @classmethod
@@ -124,7 +123,7 @@ class StartupMemory:
                 f"utilization ({utilization}, {requested / 2**30:.2f} GiB). Decrease GPU "
                 "memory utilization or reduce GPU memory used by other processes."
             )
-        return cls(chip, free, total, requested)
+        return cls(chip, free, requested)
 
     def kv_budget(self, own_bytes: int) -> int:
         """What the KV cache gets after the profile: the request less this worker's own use
