@@ -23,6 +23,7 @@ from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
 from tests.support import free_port, greedy_token_ids
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
+from tests.support.streams import settled
 from tests.support.trainer import TrainerError
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.compat import has_weight_version_spans, scale_out_flags
@@ -42,15 +43,6 @@ def _init_request(engine, **init_info):
             "init_info": {"master_address": "127.0.0.1", "master_port": free_port(), **init_info}
         },
     )
-
-
-def _settled(tokens: list, quiet_s: float = 0.3) -> int:
-    last, since = len(tokens), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        time.sleep(0.02)
-        if len(tokens) != last:
-            last, since = len(tokens), time.monotonic()
-    return last
 
 
 class TestHCCLWeightSwap(WeightSyncCases):
@@ -143,7 +135,7 @@ class TestHCCLWeightSwap(WeightSyncCases):
         assert started.wait(120) and not errors, errors
         ctl = EngineControlClient(engine.url)
         ctl.pause("keep")
-        split = _settled(tokens)
+        split = settled(lambda: len(tokens))
         trainer.send(weight_version="v2")
         ctl.resume()
         thread.join(300)

@@ -21,6 +21,7 @@ from tests.support import (
     engine_args,
 )
 from tests.support.server import serving
+from tests.support.streams import settled
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(600)]
@@ -134,21 +135,6 @@ def _start_inflight(
     return stream
 
 
-def _settled_count(stream: StreamingCompletion, quiet_s: float = 0.3, timeout_s: float = 10) -> int:
-    """Token count once no token has arrived for ``quiet_s`` (chunks in transit are counted)."""
-    deadline = time.monotonic() + timeout_s
-    last = stream.num_tokens
-    quiet_since = time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        now = stream.num_tokens
-        if now != last:
-            last, quiet_since = now, time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            return now
-    raise AssertionError("token stream did not settle while paused")
-
-
 def _assert_pending(stream: StreamingCompletion) -> None:
     """A request sent while paused is accepted but gets no token."""
     stream.start()
@@ -169,7 +155,7 @@ def _pause_mid_stream(server, ctl, mode: str, max_tokens: int):
             if before < max_tokens:
                 return inflight, before
         else:
-            _settled_count(inflight)  # abort: the stream ends; keep: it freezes
+            settled(lambda s=inflight: s.num_tokens)  # abort: the stream ends; keep: it freezes
             if inflight.finish_reason != "length":
                 return inflight, before
         ctl.resume()  # the stream finished before the pause landed: try again
@@ -196,7 +182,7 @@ def test_pause_mode_request_lifecycle(server, ctl, mode):
         assert inflight.finish_reason == "length"
         assert inflight.num_tokens == max_tokens
     else:  # keep: frozen, not finished
-        frozen = _settled_count(inflight)
+        frozen = settled(lambda: inflight.num_tokens)
         assert inflight.is_alive() and frozen < max_tokens
         time.sleep(OBSERVE_S)
         assert inflight.num_tokens == frozen, "tokens were generated while paused"

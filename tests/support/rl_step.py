@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.support.streams import StreamingCompletion, greedy_token_ids
+from tests.support.streams import StreamingCompletion, greedy_token_ids, settled
 from vllm_ascend_rl.client import EngineControlClient
 
 PROMPTS = (
@@ -45,21 +46,34 @@ class SwapOutcome:
         return sum(s.num_tokens for s in self.streams)
 
 
-def _settle(
-    streams: Sequence[StreamingCompletion], quiet_s: float = 0.25, timeout_s: float = 10
-) -> list[int]:
-    """Token counts once none has changed for ``quiet_s`` (chunks in transit arrive)."""
-    last = [s.num_tokens for s in streams]
-    quiet_since = time.monotonic()
-    deadline = quiet_since + timeout_s
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
-        now = [s.num_tokens for s in streams]
-        if now != last:
-            last, quiet_since = now, time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
+def _pause_with_tokens(
+    url: str,
+    streams: Sequence[StreamingCompletion],
+    min_tokens: int,
+    max_tokens: int,
+    clear_cache: bool,
+    timeout_s: float,
+) -> tuple[list[int], float]:
+    """Resume the engine at ``url`` and pause it (keep) once each of its ``streams`` has
+    ``min_tokens``, or one has finished. Returns the settled counts and the last pause's ms.
+
+    On a loaded machine the client can see tokens long after the server produced them, so
+    waiting for ``min_tokens`` on the client may be too late. This probes instead: pause,
+    read the settled counts, too few → resume and pause again a little later (a pause/resume
+    without a sync is harmless)."""
+    ctl = EngineControlClient(url, timeout_s=timeout_s)
+    probe_s, pause_ms, split = 0.05, 0.0, [0] * len(streams)
+    for _probe in range(40):
+        ctl.resume()
+        time.sleep(probe_s)
+        t0 = time.perf_counter()
+        ctl.pause("keep", clear_cache=clear_cache)
+        pause_ms = (time.perf_counter() - t0) * 1e3
+        split = settled(lambda: [s.num_tokens for s in streams])
+        if min(split) >= min_tokens or max(split) >= max_tokens:
             break
-    return last
+        probe_s = min(2 * probe_s, 0.25)  # capped: the stream must not finish in one interval
+    return split, pause_ms
 
 
 def swap_mid_generation(
@@ -72,22 +86,15 @@ def swap_mid_generation(
     clear_cache: bool = True,
     model: str = "tiny",
     timeout_s: float = 300,
-    before_pause: Callable[[], Any] | None = None,
     attempts: int = 5,
 ) -> SwapOutcome:
-    """Stream ``prompts``; pause(keep) once each has ``min_tokens`` (and ``before_pause()``,
-    e.g. the trainer's step, has returned); ``sync()``; resume.
+    """Stream ``prompts``; pause(keep) once each has ``min_tokens``; ``sync()``; resume.
 
     With several engines (``url`` a list, as behind an external load balancer) the streams
-    are dealt round-robin over them and pause and resume fan out to all of them.
-
-    On a loaded machine the client can see tokens long after the server produced them, so
-    waiting for ``min_tokens`` on the client may be too late. The pause therefore probes:
-    after ``before_pause()``, pause and look at the settled counts; too few tokens → resume
-    and pause again a little later (a pause/resume without a sync is harmless); a request
-    already finished → resume and retry the round with a shorter first probe. With several
-    engines, one that already has ``min_tokens`` in every stream stays paused while the others
-    catch up (engines on separate cores can run at very different speeds on a busy host).
+    are dealt round-robin over them, each engine is resumed and paused by a thread of its own
+    (engines on separate cores can run at very different speeds on a busy host, and one slow
+    engine must not delay another's pause), and the resume fans out to all of them. A request
+    that finished before its engine's pause → resume and retry the round.
     """
     urls = [url] if isinstance(url, str) else list(url)
     ctl = EngineControlClient(urls, timeout_s=timeout_s)
@@ -100,7 +107,6 @@ def swap_mid_generation(
     for warm in warms:
         warm.join(timeout_s)
     served = {u: [i for i in range(len(prompts)) if urls[i % len(urls)] == u] for u in urls}
-    probe_s = 0.05
     for attempt in range(attempts):
         streams = [
             StreamingCompletion(urls[i % len(urls)], p, max_tokens, model=model)
@@ -111,29 +117,27 @@ def swap_mid_generation(
         for s in streams:
             s.start()
         time.sleep(0.3)
-        ctl.resume()
-        if before_pause is not None:  # e.g. the trainer finishing its step while we decode
-            before_pause()
-            before_pause = None
-        for _probe in range(40):
-            time.sleep(probe_s)
-            t0 = time.perf_counter()
-            ctl.pause("keep", clear_cache=clear_cache)
-            t1 = time.perf_counter()
-            split = _settle(streams)
-            if min(split) >= min_tokens or max(split) >= max_tokens:
-                break
-            # Only the engines still short of ``min_tokens`` resume: one that is ahead stays
-            # paused, so it cannot finish its requests while a slower one catches up.
-            lagging = [u for u in urls if any(split[i] < min_tokens for i in served[u])]
-            EngineControlClient(lagging, timeout_s=timeout_s).resume()
-            # Capped low: one engine far ahead must not finish its requests in one interval.
-            probe_s = min(2 * probe_s, 0.25)
+        with ThreadPoolExecutor(len(urls)) as pool:
+            paused = {
+                u: pool.submit(
+                    _pause_with_tokens,
+                    u,
+                    [streams[i] for i in served[u]],
+                    min_tokens,
+                    max_tokens,
+                    clear_cache,
+                    timeout_s,
+                )
+                for u in urls
+            }
+        split = [0] * len(prompts)
+        for u, future in paused.items():
+            for i, n in zip(served[u], future.result()[0], strict=True):
+                split[i] = n
         if max(split) >= max_tokens and attempt + 1 < attempts:
-            ctl.resume()  # too late: a request already finished; retry, probing sooner
+            ctl.resume()  # too late: a request already finished; retry
             for s in streams:
                 s.join(timeout_s)
-            probe_s = 0.01
             continue
         t2 = time.perf_counter()
         result = sync()
@@ -144,7 +148,8 @@ def swap_mid_generation(
         for s in streams:
             s.join(timeout_s)
         break
-    out = SwapOutcome(streams, split, (t1 - t0) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
+    pause_ms = max(f.result()[1] for f in paused.values())
+    out = SwapOutcome(streams, split, pause_ms, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
     if during != split:
         out.problems.append(f"tokens arrived while paused: {split} at the pause, {during} after")
     for i, s in enumerate(streams):
@@ -154,7 +159,9 @@ def swap_mid_generation(
                 f"/{max_tokens} error={s.error}"
             )
         if split[i] >= max_tokens:
-            out.problems.append(f"request {i} finished before the pause (split {split})")
+            out.problems.append(
+                f"request {i} finished before the pause (split {split}, attempts {attempts})"
+            )
     return out
 
 

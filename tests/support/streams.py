@@ -9,9 +9,27 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import requests
+
+T = TypeVar("T")
+
+
+def settled(read: Callable[[], T], quiet_s: float = 0.3, timeout_s: float = 10) -> T:
+    """``read()`` (token counts) once it has not changed for ``quiet_s``: on a paused engine,
+    the chunks still in transit have arrived. Raises if it keeps changing for ``timeout_s``."""
+    last, quiet_since = read(), time.monotonic()
+    deadline = quiet_since + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = read()
+        if now != last:
+            last, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            return now
+    raise AssertionError(f"token counts did not settle within {timeout_s} s: {last}")
 
 
 def completion_body(
