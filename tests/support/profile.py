@@ -35,6 +35,8 @@ from vllm_ascend_rl.device import device_kind
 from vllm_ascend_rl.device.cpu_chip import LEDGER_ENV, VISIBLE_ENV
 
 CPU_HOST_CHIPS = 8  # the emulated host: an Atlas 800 A2's eight chips
+MEMORY_FRACTION = "0.4"  # --gpu-memory-utilization: two servers fit on a chip they must share
+CPU_CHIP_WORKER = "vllm_ascend_rl.worker.cpu_worker.ChipCPUWorker"
 CPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
 NPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker"
 
@@ -46,6 +48,7 @@ class DeviceProfile:
     memory_fraction: str  # --gpu-memory-utilization
     server_env: dict[str, str] = field(default_factory=dict)
     additional_config: dict = field(default_factory=dict)
+    default_worker: str | None = None  # --worker-cls of a server that names none
 
     def chip_name(self, chip: int) -> str:
         """How NPU IPC names the ``chip``-th chip the tests use (``location()["chip"]``)."""
@@ -157,13 +160,20 @@ def current_profile() -> DeviceProfile:
         return DeviceProfile(
             kind="npu",
             sleepable_worker=NPU_SLEEPABLE_WORKER,
-            memory_fraction="0.4",  # two servers fit on a chip they must share
+            memory_fraction=MEMORY_FRACTION,
             # The sleep pools need torch_npu's expandable segments off; rl_config turns
             # vllm-ascend's FRACTAL_NZ off (it refuses weight updates and wake_up with NZ on).
             server_env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"},
             additional_config={"rl_config": {"enabled": True}},
         )
-    return DeviceProfile(kind="cpu", sleepable_worker=CPU_SLEEPABLE_WORKER, memory_fraction="0.1")
+    # On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE; the fraction sizes a worker's share of
+    # its emulated chip, and every worker runs on one (stand-in d), as on NPU.
+    return DeviceProfile(
+        kind="cpu",
+        sleepable_worker=CPU_SLEEPABLE_WORKER,
+        memory_fraction=MEMORY_FRACTION,
+        default_worker=CPU_CHIP_WORKER,
+    )
 
 
 def _engine_chip_list(engine_chips: Sequence[int] | int) -> list[int]:

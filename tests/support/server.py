@@ -118,6 +118,11 @@ class VLLMServer:
                 else []
             ),
             *self.extra_args,
+            *(
+                ["--worker-cls", self.profile.default_worker]
+                if self.profile.default_worker and "--worker-cls" not in self.extra_args
+                else []
+            ),
         ]
 
     def start(self, wait: bool = True) -> VLLMServer:

@@ -39,11 +39,11 @@ def _discarded_linear(*_args, **_kwargs):
     raise RuntimeError(f"linear layer used after its weights were discarded: {RELOAD_HINT}")
 
 
-class SleepableCPUWorker(SleepableMixin, CPUWorker):
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.camem_backend = attach_sleep_backend(self)
-        self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
+class ChipCPUWorker(CPUWorker):
+    """vLLM's CPU worker on an emulated chip of the CPU stand-in (``device/cpu_chip.py``): it
+    owns one chip and sizes its start-up from the chip's device-wide memory, as vllm-ascend's
+    NPU worker does, so servers that start together on one chip fail as on NPU. Test servers
+    that name no worker class run it."""
 
     def init_device(self) -> None:
         super().init_device()
@@ -56,19 +56,27 @@ class SleepableCPUWorker(SleepableMixin, CPUWorker):
 
     def load_model(self) -> None:
         super().load_model()
-        self.chip_memory.chip.record(self._weight_bytes())
+        self.chip_memory.chip.record(_weight_bytes(self))
 
     def determine_available_memory(self) -> int:
         kv_bytes = super().determine_available_memory()
         # On an NPU the KV cache takes what the profile leaves of the request: the worker
         # then holds the whole request. Others' start-up in the window shrinks it to nothing.
-        self.chip_memory.kv_budget(own_bytes=self._weight_bytes())
+        self.chip_memory.kv_budget(own_bytes=_weight_bytes(self))
         self.chip_memory.chip.record(self.chip_memory.requested)
         return kv_bytes
 
-    def _weight_bytes(self) -> int:
-        model = self.model_runner.get_model()
-        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+def _weight_bytes(worker: CPUWorker) -> int:
+    model = worker.model_runner.get_model()
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.camem_backend = attach_sleep_backend(self)
+        self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
 
     @property
     def allocator(self) -> CaMemAllocator:
