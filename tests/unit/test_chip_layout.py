@@ -80,3 +80,19 @@ def test_a_pool_of_one_chip_is_shared_by_every_server():
     assert pool.take(a, 1) == pool.take(b, 1) == [0]
     pool.give_back(a)
     assert pool.sharers(b) == []
+
+
+def test_every_cpu_server_worker_runs_on_an_emulated_chip(monkeypatch, tmp_path):
+    """Reference servers too: a layout that starts one beside an engine on its chip fails."""
+    monkeypatch.setenv("VLLM_ASCEND_RL_DEVICE", "cpu")
+    from tests.support import VLLMServer, rl_engine_args
+
+    def worker_cls(server: VLLMServer) -> str:
+        args = server.command()
+        assert args.count("--worker-cls") == 1, args
+        return args[args.index("--worker-cls") + 1]
+
+    log = tmp_path / "server.log"
+    assert worker_cls(VLLMServer("m", log_path=log)).endswith(".ChipCPUWorker")
+    sleepable = VLLMServer("m", log_path=log, extra_args=rl_engine_args(sleepable=True))
+    assert worker_cls(sleepable).endswith(".SleepableCPUWorker")
