@@ -112,6 +112,18 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
+    """``(start, length)`` of each transfer that carries ``nbytes``: one, or pieces of at most
+    ``piece`` bytes (the bucket size) for a tensor larger than a bucket; both sides of either
+    transport cut the same way. Empty for 0."""
+    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
+
+
+def slot_bytes(plan: Sequence[Bucket], piece: int) -> int:
+    """The staging slot an update needs: its largest bucket, at most a piece."""
+    return max((min(b.nbytes, piece) for b in plan), default=0)
+
+
 def pack_into(
     buffer: torch.Tensor,
     bucket: Bucket,

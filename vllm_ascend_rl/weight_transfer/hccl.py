@@ -40,6 +40,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     as_bytes,
     iter_bucket_tensors,
     pack_into,
+    pieces,
 )
 from vllm_ascend_rl.weight_transfer.channel import (
     REFUSAL_GRACE_S,
@@ -136,12 +137,6 @@ class HCCLTrainerInitInfo(TrainerInitInfo):
 @dataclass
 class AscendRLHCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """One update's metadata, in the order the trainer broadcasts the tensors."""
-
-
-def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each collective that carries ``nbytes``: one, or pieces of at
-    most ``piece`` bytes for what is larger (both sides cut the same way). Empty for 0."""
-    return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
 
 
 class AscendRLHCCLWeightTransferEngine(CheckpointEngine):

@@ -38,9 +38,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm_ascend_rl._registration import NPU_IPC_BACKEND
 from vllm_ascend_rl.device import ImportedBuffer, IpcHandleError
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import (
-    Bucket,
-)
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_base import CheckpointEngine
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
@@ -214,38 +212,52 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
             mapped = self._mapped.pop(stale)
             self._idle.pop(id(mapped), None)
             mapped.close()
-        need = max((b.nbytes for b in plan), default=0)
+        need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
         small = min(b.tensor.numel() for b in ring)
         if small < need:
             raise IpcHandleError(f"staging buffers hold {small} bytes but a bucket needs {need}")
         self._ring = ring
 
     def _buckets(self, plan: list[Bucket], update_info):
-        doorbell, ring = self.doorbell, self._ring
+        """Piece k of the update is in ring slot k % len(ring). A bucket larger than a slot
+        (one tensor) arrives in slot-sized pieces, assembled in host memory."""
+        doorbell, ring, piece = self.doorbell, self._ring, self.init_info.packed_buffer_size_bytes
+        received = 0
         for bucket in plan:
-            if bucket.nbytes == 0:
-                continue
-            doorbell.expect("bucket", bucket.index, f"waiting for bucket {bucket.index}")
-            staging = ring[bucket.index % len(ring)]
-            if self.init_info.zero_copy:
-                # Load straight from the trainer's buffer; before handing it back, copy out
-                # only what layerwise reload still holds (tensors of incomplete layers).
-                yield bucket, staging.tensor[: bucket.nbytes]
-                self.reload.evacuate(staging.tensor)
-                self.hw.synchronize()
-                if storage_use_count(staging.tensor) != self._idle[id(staging)]:
-                    self.init_info.zero_copy = False  # the next update copies every bucket
-                    raise RuntimeError(
-                        "a loaded tensor still refers to the trainer's staging buffer; this "
-                        "engine switched to copying buckets out, retry the update"
-                    )
-                doorbell.send(done=bucket.index)
-            else:
-                out = self.pool.take(bucket.nbytes)
-                self.hw.copy_bytes(out, staging.tensor[: bucket.nbytes])
-                self.hw.synchronize()
-                doorbell.send(done=bucket.index)
-                yield bucket, out
+            whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
+            for start, n in pieces(bucket.nbytes, piece):
+                doorbell.expect("bucket", bucket.index, f"waiting for bucket {bucket.index}")
+                slot = ring[received % len(ring)]
+                received += 1
+                if whole is not None:
+                    self.hw.copy_bytes(whole[start : start + n], slot.tensor[:n])
+                    self.hw.synchronize()
+                    doorbell.send(done=bucket.index)
+                elif self.init_info.zero_copy:
+                    # Load straight from the trainer's buffer; before handing it back, copy
+                    # out only what layerwise reload still holds (tensors of incomplete layers).
+                    yield bucket, slot.tensor[:n]
+                    self._hand_back(slot)
+                    doorbell.send(done=bucket.index)
+                else:
+                    out = self.pool.take(n)
+                    self.hw.copy_bytes(out, slot.tensor[:n])
+                    self.hw.synchronize()
+                    doorbell.send(done=bucket.index)
+                    yield bucket, out
+            if whole is not None:
+                yield bucket, whole
+
+    def _hand_back(self, staging: ImportedBuffer) -> None:
+        """A zero-copy bucket is loaded: nothing may still refer to the trainer's buffer."""
+        self.reload.evacuate(staging.tensor)
+        self.hw.synchronize()
+        if storage_use_count(staging.tensor) != self._idle[id(staging)]:
+            self.init_info.zero_copy = False  # the next update copies every bucket
+            raise RuntimeError(
+                "a loaded tensor still refers to the trainer's staging buffer; this engine "
+                "switched to copying buckets out, retry the update"
+            )
 
     def _disconnect(self) -> None:
         if self.doorbell is not None:

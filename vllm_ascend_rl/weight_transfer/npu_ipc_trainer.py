@@ -22,6 +22,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, ClassVar
@@ -33,8 +34,11 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
+    as_bytes,
     iter_bucket_tensors,
     pack_into,
+    pieces,
+    slot_bytes,
 )
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
@@ -330,7 +334,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
 
     # -- shared by every rank -------------------------------------------------------------
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
-        need = max((b.nbytes for b in plan), default=0)
+        need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
         if not self.ring or self.ring[0].tensor.numel() < need:
             _release(self.ring)  # exported once; replaced only if a bucket outgrows it
             self.ring.extend(
@@ -351,32 +355,35 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
                 d.send(go=self.update_id, ok=ok, reason=reason)
 
     def _stream(self, plan: list[Bucket], pairs, poll: Poll, bar: Progress) -> None:
-        """Pack every bucket into this rank's ring and ring this rank's workers; a slot is
-        refilled only once every worker has acknowledged its previous bucket."""
-        ring = self.ring
-        holder: dict[int, Bucket] = {}  # ring slot -> bucket not yet acknowledged
-        in_order: list[Bucket] = []
+        """Copy every bucket into the next slot of this rank's ring and ring this rank's
+        workers; a bucket larger than a slot (one tensor) goes in slot-sized pieces. A slot is
+        refilled only once every worker has acknowledged its previous piece."""
+        ring, piece = self.ring, self.init_info.packed_buffer_size_bytes
+        unacknowledged: deque[tuple[int, int]] = deque()  # (bucket index, bytes), oldest first
+        sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it
 
         def acknowledged() -> None:
-            done = in_order.pop(0)
+            index, nbytes = unacknowledged.popleft()
             for d in self.doorbells:
-                d.expect("done", done.index, f"bucket {done.index} acknowledgement", poll)
-            holder.pop(done.index % len(ring), None)
-            bar.update(done.nbytes)
+                d.expect("done", index, f"bucket {index} acknowledgement", poll)
+            bar.update(nbytes)
 
         for bucket, tensors in iter_bucket_tensors(plan, pairs):
-            if bucket.nbytes == 0:
-                continue
-            slot = bucket.index % len(ring)
-            while slot in holder:  # wait until the engine has copied the previous occupant
-                acknowledged()
-            pack_into(ring[slot].tensor[: bucket.nbytes], bucket, tensors, self.hw.copy_bytes)
-            self.hw.synchronize()  # the engine reads it from another process
-            for d in self.doorbells:
-                d.send(bucket=bucket.index)
-            holder[slot] = bucket
-            in_order.append(bucket)
-        while in_order:
+            whole = as_bytes(tensors[0]) if bucket.nbytes > piece else None
+            for start, n in pieces(bucket.nbytes, piece):
+                if len(unacknowledged) == len(ring):  # the next slot's piece is still read
+                    acknowledged()
+                slot = ring[sent % len(ring)].tensor[:n]
+                sent += 1
+                if whole is None:
+                    pack_into(slot, bucket, tensors, self.hw.copy_bytes)
+                else:
+                    self.hw.copy_bytes(slot, whole[start : start + n])
+                self.hw.synchronize()  # the engine reads it from another process
+                for d in self.doorbells:
+                    d.send(bucket=bucket.index)
+                unacknowledged.append((bucket.index, n))
+        while unacknowledged:
             acknowledged()
 
     def shutdown(self) -> None:

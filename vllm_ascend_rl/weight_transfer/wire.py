@@ -23,8 +23,9 @@ from vllm_ascend_rl.weight_transfer.validation import (
 )
 
 # 2: NPU-IPC rings per chip; 3: delta updates (the delta flag is signed); 4: HCCL sends a
-# bucket larger than the bucket size in pieces of that size
-PROTOCOL_VERSION = 4
+# bucket larger than the bucket size in pieces of that size; 5: so does NPU IPC, through ring
+# slots of at most the bucket size, piece k in slot k % len(ring)
+PROTOCOL_VERSION = 5
 DEFAULT_BUCKET_BYTES = 256 << 20
 DEFAULT_NUM_BUFFERS = 2
 DEFAULT_TIMEOUT_S = 120.0

@@ -1,0 +1,154 @@
+"""A tensor larger than the bucket (N13): both sides of either transport cut it into pieces of
+the bucket size, so no device buffer is larger than a bucket, and the tensor arrives whole.
+HCCL: the engine's receive pool never holds more than (buffers + 1) buckets (real trainer and
+engine code over a gloo group, in threads). NPU IPC: the trainer's ring slots are bucket-sized
+(real trainer and engine code over shared memory and a doorbell, in threads)."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from tests.unit.test_channel import run_ranks
+from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, pieces
+from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener
+from vllm_ascend_rl.weight_transfer.hccl import (
+    AscendRLHCCLTrainerWeightTransferEngine,
+    AscendRLHCCLWeightTransferEngine,
+    AscendRLHCCLWeightTransferInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.npu_ipc import (
+    AscendRLNPUIPCWeightTransferEngine,
+    AscendRLNPUIPCWeightTransferInitInfo,
+    NPUIPCTrainerInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
+    AscendRLNPUIPCTrainerWeightTransferEngine,
+)
+
+MiB = 1 << 20
+BUCKET, BUFFERS = 1 * MiB, 2
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.randn(25_000),  # 100 KB, packed
+        "embed": torch.randn(5 * MiB // 4 + 3),  # 5 MiB + 12 bytes, alone, in 6 pieces
+        "b": torch.randn(1000),
+    }
+
+
+def _engine(cls, info):
+    parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
+    config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
+    engine._after_init(info)
+    return engine
+
+
+def _receive(engine, specs) -> dict[str, torch.Tensor]:
+    got = {}
+    for bucket, buf in engine._buckets(engine._plan(specs), None):
+        for spec, off in zip(bucket.specs, bucket.offsets, strict=True):
+            got[spec.name] = buf[off : off + spec.nbytes].clone()
+        del buf  # loaded: as the engine's receive_weights drops it
+    return got
+
+
+def test_pieces_cover_every_byte_once():
+    assert pieces(0, 4) == []
+    assert pieces(3, 4) == [(0, 3)]
+    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+
+
+def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound():
+    tensors = _tensors()
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    info = AscendRLHCCLWeightTransferInitInfo(
+        master_address="127.0.0.1",
+        master_port=1,
+        world_size=2,
+        packed_buffer_size_bytes=BUCKET,
+        packed_num_buffers=BUFFERS,
+    )
+    poll = types.SimpleNamespace(raise_if_failed=lambda: None)
+    bar = types.SimpleNamespace(update=lambda n: None)
+
+    def body(ch):
+        if ch.rank == 0:
+            trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
+            trainer.channel, trainer.init_info = ch, info
+            trainer.hw, trainer._staging = get_device("cpu"), []
+            trainer._send(trainer._plan(specs), iter(tensors.items()), poll, bar)
+            return None
+        engine = _engine(AscendRLHCCLWeightTransferEngine, info)
+        engine.channel = ch
+        got = _receive(engine, specs)
+        return got, engine.pool.end_update()
+
+    trainer_error, (got, (_, peak)) = run_ranks(2, body, timeout_s=20)
+    assert trainer_error is None
+    for name, t in tensors.items():
+        assert torch.equal(got[name], t.view(-1).view(torch.uint8)), name
+    assert peak <= (BUFFERS + 1) * BUCKET, peak  # whole, the tensor alone would be 5 MiB
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy-out"])
+def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
+    tensors = _tensors()
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    trainer = object.__new__(AscendRLNPUIPCTrainerWeightTransferEngine)
+    trainer.init_info = NPUIPCTrainerInitInfo(
+        rank=0, packed_buffer_size_bytes=BUCKET, packed_num_buffers=BUFFERS
+    )
+    trainer.hw, trainer.ring, trainer.doorbells, trainer.peers = get_device("cpu"), [], [], []
+    listener = DoorbellListener(timeout_s=20)
+    engine = _engine(
+        AscendRLNPUIPCWeightTransferEngine,
+        AscendRLNPUIPCWeightTransferInitInfo(
+            doorbells={"chip": listener.address},
+            zero_copy=zero_copy,
+            packed_buffer_size_bytes=BUCKET,
+            packed_num_buffers=BUFFERS,
+        ),
+    )
+    try:
+        plan = trainer._plan(specs)
+        assert max(b.nbytes for b in plan) > 5 * MiB  # the tensor travels alone
+        handles = trainer._ring_handles(plan)
+        assert [b.tensor.numel() for b in trainer.ring] == [BUCKET] * BUFFERS  # not 5 MiB
+
+        connect = threading.Thread(
+            target=lambda: setattr(engine, "doorbell", Doorbell.connect(listener.address, 20))
+        )
+        connect.start()
+        while not trainer.doorbells:
+            trainer.doorbells = [d for d in [listener.accept(0.1)] if d is not None]
+        connect.join()
+        engine._map({trainer.hw.location()["chip"]: handles}, engine._plan(specs))
+        errors: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                bar = types.SimpleNamespace(update=lambda n: None)
+                trainer._stream(plan, iter(tensors.items()), lambda: None, bar)
+            except BaseException as e:
+                errors.append(e)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        got = _receive(engine, specs)
+        sender.join(20)
+        assert not errors, errors
+        for name, t in tensors.items():
+            assert torch.equal(got[name], t.view(-1).view(torch.uint8)), name
+        _, peak = engine.pool.end_update()
+        assert peak <= BUCKET, peak  # copy-out takes a bucket per packed bucket, none for pieces
+    finally:
+        engine._disconnect()
+        trainer.shutdown()
+        listener.close()
