@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -132,6 +133,8 @@ class VLLMServer:
         if self.proc is not None:
             raise RuntimeError("server already started")
         self.chips = self.profile.take_chips(self, self.num_chips)
+        # vLLM's ZMQ sockets go to VLLM_RPC_BASE_PATH and outlive a stopped server
+        self._rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
         try:
             for other in self.profile.chip_sharers(self):
                 if other.is_alive() and not other.came_up:
@@ -143,6 +146,7 @@ class VLLMServer:
                     env={
                         **self.env,
                         **self.profile.server_chips_env(self.chips),
+                        "VLLM_RPC_BASE_PATH": self._rpc_dir,
                         **self._caller_env,
                     },
                     stdout=log,
@@ -152,6 +156,7 @@ class VLLMServer:
                 )
         except BaseException:
             self.profile.give_back_chips(self)
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
             raise
         if wait:
             self.wait_healthy()
@@ -253,6 +258,7 @@ class VLLMServer:
         self.proc.wait(timeout=timeout_s)
         self.proc = None
         self.came_up = False
+        shutil.rmtree(self._rpc_dir, ignore_errors=True)
         self.profile.give_back_chips(self)  # its processes, and their device memory, are gone
 
     def __enter__(self) -> VLLMServer:
