@@ -177,6 +177,47 @@ def test_doorbell_round_trip_eof_and_timeout():
         Doorbell.connect(listener.address, 1.0)
 
 
+def _doorbell_pair(timeout_s: float) -> tuple[DoorbellListener, Doorbell, Doorbell]:
+    listener = DoorbellListener(timeout_s=timeout_s)
+    engine_side: list[Doorbell] = []
+    t = threading.Thread(
+        target=lambda: engine_side.append(Doorbell.connect(listener.address, timeout_s))
+    )
+    t.start()
+    trainer_side = None
+    while trainer_side is None:
+        trainer_side = listener.accept(0.1)
+    t.join()
+    return listener, trainer_side, engine_side[0]
+
+
+def test_a_refusal_that_lands_while_the_poll_fails_wins_over_the_failure():
+    """A worker sends its refusal, then its update call fails. If both happen between the
+    trainer's look at the socket and its poll, the refusal is still what the trainer reads
+    (the connection stays usable); a poll failure with nothing arrived is raised."""
+    listener, trainer_side, engine_side = _doorbell_pair(5.0)
+    try:
+
+        def refused_then_failed() -> None:
+            engine_side.send(ready=1, ok=False, error="refused")
+            time.sleep(0.1)  # the refusal is in the trainer's socket
+            raise RuntimeError("update_weights failed")
+
+        msg = trainer_side.expect("ready", 1, "handshake", refused_then_failed)
+        assert msg == {"ready": 1, "ok": False, "error": "refused"}
+        assert not trainer_side.broken
+
+        def failed() -> None:
+            raise RuntimeError("update_weights failed")
+
+        with pytest.raises(RuntimeError, match="update_weights failed"):
+            trainer_side.expect("ready", 2, "handshake", failed)
+    finally:
+        trainer_side.close()
+        engine_side.close()
+        listener.close()
+
+
 @pytest.mark.parametrize("nbytes", [1000, (8 << 20) + 13, (40 << 20) + 7])
 def test_cpu_staging_copy_is_exact_on_every_path(nbytes):
     """Small copies take numpy's memcpy, large ones the multi-threaded one (uneven slices)."""

@@ -57,19 +57,25 @@ class Doorbell:
         while b"\n" not in self._buf:
             if self.broken:
                 raise DoorbellError(self.broken)
-            # What has already arrived wins over the poll: a worker sends its refusal before
-            # its update call fails, and the poll would otherwise see only the failure.
-            ready, _, _ = select.select([self.sock], [], [], 0)
-            if not ready:
-                if poll is not None:
+            ready = self._readable(0)
+            if not ready and poll is not None:
+                try:
                     poll()
+                except Exception:
+                    # What arrived wins over the poll: a worker sends its refusal before its
+                    # update call fails, but the refusal can land between the check above
+                    # and the poll.
+                    if not self._readable(0):
+                        raise
+                    ready = True
+            if not ready:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     self._break(
                         f"{what}: no message from the {self.peer} within "
                         f"timeout_s={self.timeout_s:.0f}s"
                     )
-                ready, _, _ = select.select([self.sock], [], [], min(left, 0.05))
+                ready = self._readable(min(left, 0.05))
             if ready:
                 try:
                     chunk = self.sock.recv(1 << 16)
@@ -91,11 +97,12 @@ class Doorbell:
 
     def pending(self, what: str) -> dict | None:
         """The next message if one has already arrived (never waits), else None."""
-        if b"\n" not in self._buf:
-            ready, _, _ = select.select([self.sock], [], [], 0)
-            if not ready:
-                return None
+        if b"\n" not in self._buf and not self._readable(0):
+            return None
         return self.recv(what)
+
+    def _readable(self, wait_s: float) -> bool:
+        return bool(select.select([self.sock], [], [], wait_s)[0])
 
     def expect(
         self,
