@@ -152,16 +152,23 @@ def test_size_and_location_are_checked():
         buf.close()
 
 
-def test_doorbell_round_trip_eof_and_timeout():
-    listener = DoorbellListener(timeout_s=1.0)
+def doorbell_pair(timeout_s: float) -> tuple[DoorbellListener, Doorbell, Doorbell]:
+    """A listener, and the trainer's and an engine worker's ends of one connection to it."""
+    listener = DoorbellListener(timeout_s=timeout_s)
     engine_side: list[Doorbell] = []
-    t = threading.Thread(target=lambda: engine_side.append(Doorbell.connect(listener.address, 1.0)))
+    t = threading.Thread(
+        target=lambda: engine_side.append(Doorbell.connect(listener.address, timeout_s))
+    )
     t.start()
     trainer_side = None
     while trainer_side is None:
         trainer_side = listener.accept(0.1)
     t.join()
-    engine = engine_side[0]
+    return listener, trainer_side, engine_side[0]
+
+
+def test_doorbell_round_trip_eof_and_timeout():
+    listener, trainer_side, engine = doorbell_pair(1.0)
     trainer_side.send(bucket=3)
     assert engine.expect("bucket", 3, "test") == {"bucket": 3}
     t0 = time.monotonic()
@@ -177,25 +184,11 @@ def test_doorbell_round_trip_eof_and_timeout():
         Doorbell.connect(listener.address, 1.0)
 
 
-def _doorbell_pair(timeout_s: float) -> tuple[DoorbellListener, Doorbell, Doorbell]:
-    listener = DoorbellListener(timeout_s=timeout_s)
-    engine_side: list[Doorbell] = []
-    t = threading.Thread(
-        target=lambda: engine_side.append(Doorbell.connect(listener.address, timeout_s))
-    )
-    t.start()
-    trainer_side = None
-    while trainer_side is None:
-        trainer_side = listener.accept(0.1)
-    t.join()
-    return listener, trainer_side, engine_side[0]
-
-
 def test_a_refusal_that_lands_while_the_poll_fails_wins_over_the_failure():
     """A worker sends its refusal, then its update call fails. If both happen between the
     trainer's look at the socket and its poll, the refusal is still what the trainer reads
     (the connection stays usable); a poll failure with nothing arrived is raised."""
-    listener, trainer_side, engine_side = _doorbell_pair(5.0)
+    listener, trainer_side, engine_side = doorbell_pair(5.0)
     try:
 
         def refused_then_failed() -> None:

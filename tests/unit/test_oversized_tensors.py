@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tests.unit.test_channel import run_ranks
+from tests.unit.test_ipc_transport import doorbell_pair
 from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, pieces
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener
 from vllm_ascend_rl.weight_transfer.hccl import (
     AscendRLHCCLTrainerWeightTransferEngine,
     AscendRLHCCLWeightTransferEngine,
@@ -105,8 +105,9 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
     trainer.init_info = NPUIPCTrainerInitInfo(
         rank=0, packed_buffer_size_bytes=BUCKET, packed_num_buffers=BUFFERS
     )
-    trainer.hw, trainer.ring, trainer.doorbells, trainer.peers = get_device("cpu"), [], [], []
-    listener = DoorbellListener(timeout_s=20)
+    listener, trainer_side, engine_side = doorbell_pair(20)
+    trainer.hw, trainer.ring, trainer.peers = get_device("cpu"), [], []
+    trainer.doorbells = [trainer_side]
     engine = _engine(
         AscendRLNPUIPCWeightTransferEngine,
         AscendRLNPUIPCWeightTransferInitInfo(
@@ -116,19 +117,13 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
             packed_num_buffers=BUFFERS,
         ),
     )
+    engine.doorbell = engine_side
     try:
         plan = trainer._plan(specs)
         assert max(b.nbytes for b in plan) > 5 * MiB  # the tensor travels alone
         handles = trainer._ring_handles(plan)
         assert [b.tensor.numel() for b in trainer.ring] == [BUCKET] * BUFFERS  # not 5 MiB
 
-        connect = threading.Thread(
-            target=lambda: setattr(engine, "doorbell", Doorbell.connect(listener.address, 20))
-        )
-        connect.start()
-        while not trainer.doorbells:
-            trainer.doorbells = [d for d in [listener.accept(0.1)] if d is not None]
-        connect.join()
         engine._map({trainer.hw.location()["chip"]: handles}, engine._plan(specs))
         errors: list[BaseException] = []
 
