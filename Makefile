@@ -39,7 +39,7 @@ test: lint
 
 # On an Ascend host, inside the Ascend software stack (vLLM + vllm-ascend + torch_npu + CANN
 # already installed, this package with `pip install -e ".[test]"`): every test marked `ascend`
-# (the e2e suites and tests/npu) on NPUs. See README "Ascend CI". Never run by us.
+# (the e2e suites and tests/npu) on NPUs. See docs/deployment.md "Ascend CI". Never run by us.
 NPU_PYTHON ?= python3
 test-npu:
 	$(NPU_PYTHON) -m pytest tests -m ascend --device npu

@@ -1,7 +1,7 @@
 """Pause and sync with 1 vs 2 engines behind one trainer (external load balancing).
 
 Two vLLM servers on a ~210 MB bf16 model, HCCL weight transfer, one core each; the trainer is
-this script, with one HCCL group per server (see README "Deployment"). In one run:
+this script, with one HCCL group per server (see docs/deployment.md). In one run:
 
   pause idle ms   ``EngineControlClient(urls).pause("keep")`` on idle engines
   pause gen ms    the same while every engine streams requests

@@ -173,7 +173,7 @@ class Trainer:
 
         from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
-        for engine in engines:  # one group per engine: see README "Deployment"
+        for engine in engines:  # one group per engine: see docs/deployment.md
             info = HCCLTrainerInitInfo(
                 master_address=get_ip(),
                 master_port=get_open_port(),

@@ -194,7 +194,7 @@ def test_a_storm_of_control_calls_ends_in_the_last_calls_state(server, ctl, base
     assert greedy_token_ids(server.url, PROBE, 16) == baseline
 
 
-# -- upstream vLLM's own behaviour (default scheduler), shown so the README can say so ------
+# -- upstream vLLM's own behaviour (default scheduler), as docs/failure-semantics.md says ---
 
 
 def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(upstream_server):

@@ -70,9 +70,9 @@ class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
-    delta: bool = False  # send only changed elements (a host copy on both sides): README
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
+    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -99,9 +99,9 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo):
     packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
     packed_num_buffers: int = DEFAULT_NUM_BUFFERS
     timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": see README
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": see README
-    delta: bool = False  # send only changed elements (a host copy on both sides): README
+    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
+    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
+    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
 
     def __post_init__(self) -> None:
         check_wire(self)
