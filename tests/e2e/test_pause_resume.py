@@ -19,8 +19,8 @@ from tests.support import (
     VLLMServer,
     complete,
     engine_args,
+    serving,
 )
-from tests.support.server import serving
 from tests.support.streams import settled
 from vllm_ascend_rl.client import EngineControlClient
 

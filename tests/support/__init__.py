@@ -1,62 +1,23 @@
-"""The test kit, shared by tests, benchmarks and the examples' demo plumbing (not installed:
-the package keeps only what users import): tiny random-weight models, a vLLM server launcher,
-token-counting request helpers, the stand-in trainer process, the device profile."""
+"""The test kit, shared by tests and benchmarks (not installed: the package keeps only what users
+import). What the examples stand on too, the tiny random-weight models, the vLLM server launcher,
+the token-counting request helpers, the device profile and the engine flags, is defined in
+``examples/plumbing`` and re-exported here; the stand-in trainer process, the scheduler harness
+and the other test-only helpers are defined in this package."""
 
-import os
-
-from tests.support.server import ServerStartError, VLLMServer, free_port, serving
-from tests.support.streams import (
+from examples.plumbing import (  # noqa: F401  (re-exported)
+    PLUGIN_SCHEDULER,
+    ServerStartError,
     StreamingCompletion,
-    complete,
-    completion_body,
-    greedy_token_ids,
-)
-from tests.support.tiny_model import (
     TinyModelSpec,
+    VLLMServer,
     build_model_pair,
     build_tiny_model,
+    complete,
+    completion_body,
+    engine_args,
+    free_port,
+    greedy_token_ids,
     load_hf_model,
+    rl_engine_args,
+    serving,
 )
-
-PLUGIN_SCHEDULER = "vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler"
-
-
-def engine_args() -> list[str]:
-    """Server flags shared by tests and the CPU demo.
-
-    ``--enforce-eager`` skips the ~30 s inductor compile of every new checkpoint on CPU; set
-    ``VLLM_ASCEND_RL_COMPILE=1`` to run with vLLM's default compile mode instead.
-    """
-    return [] if os.environ.get("VLLM_ASCEND_RL_COMPILE") == "1" else ["--enforce-eager"]
-
-
-def rl_engine_args(backend: str | None = "ascend_rl_hccl", *, sleepable: bool = False) -> list[str]:
-    """``engine_args()`` for an RL engine: the plugin scheduler, a weight-transfer backend
-    (``None``: none) and, with ``sleepable``, the device's sleepable worker."""
-    from tests.support.profile import current_profile
-
-    args = [*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
-    if sleepable:
-        args += ["--worker-cls", current_profile().sleepable_worker]
-    if backend:
-        args += ["--weight-transfer-config", f'{{"backend": "{backend}"}}']
-    return args
-
-
-__all__ = [
-    "PLUGIN_SCHEDULER",
-    "ServerStartError",
-    "StreamingCompletion",
-    "TinyModelSpec",
-    "VLLMServer",
-    "build_model_pair",
-    "build_tiny_model",
-    "complete",
-    "completion_body",
-    "engine_args",
-    "free_port",
-    "greedy_token_ids",
-    "load_hf_model",
-    "rl_engine_args",
-    "serving",
-]

