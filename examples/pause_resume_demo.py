@@ -16,15 +16,12 @@ import argparse
 import sys
 import time
 
-from demo_plumbing import (  # the server launcher and stream client: the repo's test kit
-    PLUGIN_SCHEDULER,
-    StreamingCompletion,
-    VLLMServer,
-    build_tiny_model,
-    engine_args,
-)
-
 from vllm_ascend_rl.client import EngineControlClient
+
+if __package__:  # imported from the repository root: examples.pause_resume_demo
+    from . import plumbing  # the server launcher, the tiny model and the stream client
+else:  # run as a script: python examples/pause_resume_demo.py
+    import plumbing
 
 PROMPTS = [
     "The weather today is",
@@ -36,7 +33,7 @@ PROMPTS = [
 
 def run(url: str, model_name: str, max_tokens: int, min_tokens: int) -> bool:
     ctl = EngineControlClient(url, timeout_s=120)
-    streams = [StreamingCompletion(url, p, max_tokens, model=model_name) for p in PROMPTS]
+    streams = [plumbing.StreamingCompletion(url, p, max_tokens, model=model_name) for p in PROMPTS]
     for s in streams:
         s.start()
     for s in streams:
@@ -86,10 +83,10 @@ def main() -> int:
     if args.server_url:
         return 0 if run(args.server_url, args.model_name, args.max_tokens, args.min_tokens) else 1
 
-    model = build_tiny_model()
-    print(f"tiny model: {model}\nstarting vLLM server with {PLUGIN_SCHEDULER} ...")
-    with VLLMServer(
-        model, extra_args=[*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
+    model = plumbing.build_tiny_model()
+    print(f"tiny model: {model}\nstarting vLLM server with {plumbing.PLUGIN_SCHEDULER} ...")
+    with plumbing.VLLMServer(
+        model, extra_args=[*plumbing.engine_args(), "--scheduler-cls", plumbing.PLUGIN_SCHEDULER]
     ) as server:
         print(f"server up at {server.url} (log: {server.log_path})")
         ok = run(server.url, "tiny", args.max_tokens, args.min_tokens)

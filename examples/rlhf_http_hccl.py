@@ -16,7 +16,7 @@ reported as not validated.
     python examples/rlhf_http_hccl.py --server-url http://engine:8000 --model /path/to/hf \\
         --device npu --master-address <this host's IP>
 
-(Set-up that is not the point, the tiny checkpoints and the servers, is in demo_plumbing.py.)
+(Set-up that is not the point, the tiny checkpoints and the servers, is in plumbing/rl_demo.py.)
 """
 
 from __future__ import annotations
@@ -24,17 +24,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from demo_plumbing import (
-    conclude,
-    continuation_matches,
-    demo,
-    parse_args,
-    print_header,
-    report,
-    settled_counts,
-    start_streams,
-    wait_for_tokens,
-)
 from vllm.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -46,11 +35,16 @@ import vllm_ascend_rl
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
 
+if __package__:  # imported from the repository root: examples.rlhf_http_hccl
+    from .plumbing import rl_demo
+else:  # run as a script: python examples/rlhf_http_hccl.py
+    from plumbing import rl_demo
+
 
 def main() -> int:
-    args = parse_args(__doc__.split("\n\n")[0])
+    args = rl_demo.parse_args(__doc__.split("\n\n")[0])
     vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
-    with demo(args, "ascend_rl_hccl") as setup:
+    with rl_demo.demo(args, "ascend_rl_hccl") as setup:
         # -- set-up: the control client and the trainer's side of the weight transfer ----
         ctl = EngineControlClient(setup.engine_url)
         workers = ctl.world_size()  # every engine worker (TP x PP x DP) joins the group
@@ -65,14 +59,14 @@ def main() -> int:
             client=HTTPVLLMWeightSyncClient(setup.engine_url),
             source=ModuleSource(setup.policy.model),
         )
-        print_header("pause ms")
+        rl_demo.print_header("pause ms")
         all_ok, validated = True, 0
         training_thread = ThreadPoolExecutor(1, thread_name_prefix="training")
         for k in range(1, args.steps + 1):
             # -- generate with weights k while the trainer produces k+1 -------------------
             training = training_thread.submit(setup.policy.train_step, k)
-            streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
-            wait_for_tokens(streams, args.min_tokens)
+            streams = rl_demo.start_streams(setup.engine_url, args.max_tokens, args.model_name)
+            rl_demo.wait_for_tokens(streams, args.min_tokens)
             try:
                 training.result()  # k+1, or the step's error: never sync weights k again
             except Exception as e:
@@ -82,7 +76,7 @@ def main() -> int:
             t0 = time.perf_counter()
             ctl.pause("keep")
             pause_ms = (time.perf_counter() - t0) * 1e3
-            split = settled_counts(streams)  # tokens each request had on weights k
+            split = rl_demo.settled_counts(streams)  # tokens each request had on weights k
             result = trainer.send_weights(weight_version=f"v{k + 1}")
             ctl.resume()
             for s in streams:
@@ -94,15 +88,15 @@ def main() -> int:
                 None
                 if reference is None
                 else [
-                    continuation_matches(reference, s, n, args.model_name)
+                    rl_demo.continuation_matches(reference, s, n, args.model_name)
                     for s, n in zip(streams, split, strict=True)
                 ]
             )
-            all_ok &= report(k, streams, split, pause_ms, result, matches, args.max_tokens)
+            all_ok &= rl_demo.report(k, streams, split, pause_ms, result, matches, args.max_tokens)
             validated += matches is not None
         trainer.shutdown()
         training_thread.shutdown()
-    return conclude(all_ok, validated, args.steps)
+    return rl_demo.conclude(all_ok, validated, args.steps)
 
 
 if __name__ == "__main__":

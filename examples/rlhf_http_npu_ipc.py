@@ -18,24 +18,13 @@ own server) the steps run but are reported as not validated.
     python examples/rlhf_http_npu_ipc.py --server-url http://localhost:8000 \\
         --model /path/to/hf --device npu
 
-(Set-up that is not the point, the tiny checkpoints and the servers, is in demo_plumbing.py.)
+(Set-up that is not the point, the tiny checkpoints and the servers, is in plumbing/rl_demo.py.)
 """
 
 from __future__ import annotations
 
 import time
 
-from demo_plumbing import (
-    conclude,
-    continuation_matches,
-    demo,
-    parse_args,
-    print_header,
-    report,
-    settled_counts,
-    start_streams,
-    wait_for_tokens,
-)
 from vllm.distributed.weight_transfer import (
     HTTPVLLMWeightSyncClient,
     ModuleSource,
@@ -46,11 +35,16 @@ import vllm_ascend_rl
 from vllm_ascend_rl.client import EngineControlClient
 from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
+if __package__:  # imported from the repository root: examples.rlhf_http_npu_ipc
+    from .plumbing import rl_demo
+else:  # run as a script: python examples/rlhf_http_npu_ipc.py
+    from plumbing import rl_demo
+
 
 def main() -> int:
-    args = parse_args(__doc__.split("\n\n")[0])
+    args = rl_demo.parse_args(__doc__.split("\n\n")[0])
     vllm_ascend_rl.register()  # a trainer is not a vLLM process: register by hand
-    with demo(args, "ascend_rl_npu_ipc", sleepable=True) as setup:
+    with rl_demo.demo(args, "ascend_rl_npu_ipc", sleepable=True) as setup:
         # -- set-up: the control client and the trainer's side of the weight transfer ----
         ctl = EngineControlClient(setup.engine_url)
         trainer = WeightTransferTrainerFactory.trainer_init(
@@ -58,18 +52,18 @@ def main() -> int:
             client=HTTPVLLMWeightSyncClient(setup.engine_url),
             source=ModuleSource(setup.policy.model),
         )
-        print_header("sleep ms")
+        rl_demo.print_header("sleep ms")
         all_ok, validated = True, 0
         for k in range(1, args.steps + 1):
             # -- generate with weights k ----------------------------------------------------
-            streams = start_streams(setup.engine_url, args.max_tokens, args.model_name)
-            wait_for_tokens(streams, args.min_tokens)
+            streams = rl_demo.start_streams(setup.engine_url, args.max_tokens, args.model_name)
+            rl_demo.wait_for_tokens(streams, args.min_tokens)
 
             # -- sleep (pauses, keep) -> train -> wake weights -> sync -> wake KV -> resume --
             t0 = time.perf_counter()
             ctl.sleep(2, mode="keep")  # the KV cache and the weights leave the chip
             sleep_ms = (time.perf_counter() - t0) * 1e3
-            split = settled_counts(streams)  # tokens each request had on weights k
+            split = rl_demo.settled_counts(streams)  # tokens each request had on weights k
             setup.policy.train_step(k)  # the trainer has the chip to itself
             ctl.wake_up(["weights"])
             result = trainer.send_weights(weight_version=f"v{k + 1}")
@@ -84,14 +78,14 @@ def main() -> int:
                 None
                 if reference is None
                 else [
-                    continuation_matches(reference, s, n, args.model_name)
+                    rl_demo.continuation_matches(reference, s, n, args.model_name)
                     for s, n in zip(streams, split, strict=True)
                 ]
             )
-            all_ok &= report(k, streams, split, sleep_ms, result, matches, args.max_tokens)
+            all_ok &= rl_demo.report(k, streams, split, sleep_ms, result, matches, args.max_tokens)
             validated += matches is not None
         trainer.shutdown()
-    return conclude(all_ok, validated, args.steps)
+    return rl_demo.conclude(all_ok, validated, args.steps)
 
 
 if __name__ == "__main__":

@@ -194,7 +194,10 @@ class Trainer:
 
 def tiny_checkpoints() -> tuple[str, str]:
     """Demo plumbing, not the point: two tiny random-weight checkpoints (v1, v2) on CPU."""
-    from demo_plumbing import build_model_pair
+    if __package__:  # imported from the repository root: examples.rlhf_ray_hccl
+        from .plumbing import build_model_pair
+    else:  # run as a script: python examples/rlhf_ray_hccl.py
+        from plumbing import build_model_pair
 
     v1, v2 = build_model_pair()
     return str(v1), str(v2)

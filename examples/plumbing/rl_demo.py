@@ -1,4 +1,5 @@
-"""Demo plumbing for the examples, not the point of them.
+"""What the two HTTP RL examples (``rlhf_http_hccl.py``, ``rlhf_http_npu_ipc.py``) share and is
+not the point of them.
 
 With no ``--server-url`` the examples run by themselves (on CPU; on an Ascend host on NPUs, each
 server on chips of its own): tiny random-weight checkpoints v1..v(steps+1), a vLLM server on v1
@@ -8,31 +9,27 @@ perturbs the weights as a stand-in for an optimizer step; either runs on the dev
 sends from (an NPU-IPC trainer on its engine's chip, an HCCL one on a chip of its own). Without
 a reference holding the trainer's weights a step is run but not validated, and the examples say
 so. Everything else an RL loop does is in the example files themselves. The servers, the
-checkpoints and the stream client come from the repository's test kit (``tests/support``),
-which is not installed.
+checkpoints and the stream client are the rest of this package.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test kit, from the repo
 
 import torch
 
-from tests.support import (
-    PLUGIN_SCHEDULER,
+from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.device import device_kind
+
+from . import (
     StreamingCompletion,
     TinyModelSpec,
     VLLMServer,
-    build_model_pair,
     build_tiny_model,
     engine_args,
     greedy_token_ids,
@@ -40,18 +37,7 @@ from tests.support import (
     rl_engine_args,
     serving,
 )
-from tests.support.profile import trainer_chip
-from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.device import device_kind
-
-__all__ = [  # what the examples take from the kit through here
-    "PLUGIN_SCHEDULER",
-    "StreamingCompletion",
-    "VLLMServer",
-    "build_model_pair",
-    "build_tiny_model",
-    "engine_args",
-]
+from .profile import trainer_chip
 
 PROMPTS = (
     "The weather today is",
