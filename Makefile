@@ -53,7 +53,8 @@ e2e: $(STAMP)
 clean:
 	rm -rf .venv .venv-vllm-* build *.egg-info .pytest_cache .ruff_cache
 
-# The benchmarks use the test kit (tests/support), which is not installed: PYTHONPATH=.
+# The benchmarks use the test kit (tests/support, and examples/plumbing through it), which is
+# not installed: PYTHONPATH=.
 bench: $(STAMP)
 	@# Every script runs, even after one reports a target NOT met; make fails at the end.
 	@status=0; for b in weight_sync delta_sync ipc_sync sleep_wake scheduler_overhead \
