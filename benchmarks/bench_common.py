@@ -109,7 +109,27 @@ def transport_s(engine, url: str, keep: bool = False) -> float:
         )
         r.raise_for_status()
 
-    return engine.send_transport_only(receive)
+    return send_transport_only(engine, receive)
+
+
+def send_transport_only(engine, receive) -> float:
+    """Send one update's buckets through a trainer engine's own handshake and data plane to
+    engines that receive without loading; trainer-side seconds of the data plane.
+    ``receive(payload)`` makes every engine worker run ``bench_receive_discard(payload)``
+    (in the background while this rank sends)."""
+    from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress, source_specs
+    from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
+
+    specs = source_specs(engine.source)
+    plan = plan_for(engine.init_info, specs, engine.alone_bytes)
+    receiving = BackgroundCall("receive_transport_only", receive, engine.payload(specs, plan))
+    if engine.agree(plan, receiving) != Verdict.GO:
+        raise RuntimeError(f"transport probe refused: {receiving.failure(30)}")
+    bar = Progress(0, False, "")
+    engine.send(plan, iter(engine.source), receiving, bar)
+    seconds = bar.close()
+    receiving.result(engine.init_info.timeout_s)
+    return seconds
 
 
 def load_only_s(url: str) -> float:

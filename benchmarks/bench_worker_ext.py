@@ -1,8 +1,8 @@
 """Worker extension for benchmarks (``--worker-extension-cls``), reached through
 ``POST /collective_rpc`` (string arguments): transfers on the weight-transfer engine's own
 connection that skip loading, and loads that skip the transport, so a benchmark separates
-the transport from vLLM's layerwise reload. Public hooks only: the engine's ``channel``,
-``receive_transport_only`` and ``load_only``."""
+the transport from vLLM's layerwise reload. They use the engines' own handshake (``_agree``),
+bucket stream (``_buckets``) and update session, and are not part of the package."""
 
 from __future__ import annotations
 
@@ -10,6 +10,16 @@ import json
 import time
 
 import torch
+
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
+
+
+def _plan(engine, info):
+    """The engine's bucket plan for ``info`` (HCCL sends large tensors alone)."""
+    from vllm_ascend_rl.weight_transfer import hccl
+
+    direct = isinstance(engine, hccl.AscendRLHCCLWeightTransferEngine)
+    return plan_for(engine.init_info, info.specs, hccl.DIRECT_BYTES if direct else None)
 
 
 class WeightSyncBenchExtension:
@@ -29,8 +39,35 @@ class WeightSyncBenchExtension:
         """One update's handshake and every bucket received, nothing loaded; seconds.
         ``keep`` (non-empty): keep the buckets for :meth:`bench_load_only`."""
         engine = self.weight_transfer_engine
-        return engine.receive_transport_only(json.loads(update_info), keep=bool(keep))
+        info = engine.parse_update_info(json.loads(update_info))
+        plan = _plan(engine, info)
+        kept = []
+        t0 = time.perf_counter()
+        engine._agree(Verdict.GO, None, plan, info)
+        for bucket, buf in engine._buckets(plan):
+            if keep:
+                kept.append((bucket, buf.clone()))
+            del buf  # as a real update: the transport may check the buffer was released
+        seconds = time.perf_counter() - t0
+        self._bench_kept = kept
+        return seconds
 
     def bench_load_only(self) -> float:
-        """The kept buckets through the update's loading path, nothing received; seconds."""
-        return self.weight_transfer_engine.load_only()
+        """The kept buckets through the update's loading path (start, layerwise reload of each
+        bucket, finish), nothing received; seconds."""
+        engine, kept = self.weight_transfer_engine, getattr(self, "_bench_kept", None)
+        if not kept:
+            raise RuntimeError("nothing kept: call bench_receive_discard(keep='1') first")
+        session = engine.session
+        t0 = time.perf_counter()
+        session.start()
+        try:
+            session.receive(None, None)
+            for bucket, buf in kept:
+                session.load(bucket, buf)
+            session.loaded()
+        except BaseException:
+            session.fail()
+            raise
+        session.finish()
+        return time.perf_counter() - t0

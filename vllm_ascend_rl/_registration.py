@@ -23,6 +23,7 @@ CAMEM_BACKEND = "ascend_rl_camem"
 
 _WT_FACTORY = "vllm.distributed.weight_transfer.factory"
 _HCCL = "vllm_ascend_rl.weight_transfer.hccl"
+_HCCL_TRAINER = "vllm_ascend_rl.weight_transfer.hccl_trainer"
 _IPC = "vllm_ascend_rl.weight_transfer.npu_ipc"
 _IPC_TRAINER = "vllm_ascend_rl.weight_transfer.npu_ipc_trainer"
 
@@ -41,7 +42,7 @@ COMPONENTS: tuple[tuple[str, str, str, str, str, str], ...] = (
         "WeightTransferTrainerFactory",
         "register_engine",
         HCCL_BACKEND,
-        _HCCL,
+        _HCCL_TRAINER,
         "AscendRLHCCLTrainerWeightTransferEngine",
     ),
     (

@@ -22,21 +22,27 @@ GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never creat
 CHIP = current_profile().chip_name(0)  # the engine worker's: it starts first, on the lowest
 NOBODY = "vllm_ascend_rl-00000000deadbeef"  # a doorbell address no trainer listens on
 BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
-    "missing_doorbells": ({"doorbells": None}, "doorbells"),
-    "doorbells_not_a_dict": ({"doorbells": "x"}, "'doorbells' must be dict[str, str]"),
-    "doorbells_empty": ({"doorbells": {}}, "doorbells must map chips"),
-    "doorbell_not_a_str": ({"doorbells": {CHIP: 5}}, "must be str, got int 5"),
+    "missing_doorbells": ({"doorbells": None}, "doorbells: Field required"),
+    "doorbells_not_a_dict": ({"doorbells": "x"}, "doorbells: Input should be a valid dictionary"),
+    "doorbells_empty": ({"doorbells": {}}, "doorbells: Dictionary should have at least 1 item"),
+    "doorbell_not_a_str": (
+        {"doorbells": {CHIP: 5}},
+        f"doorbells.{CHIP}: Input should be a valid string",
+    ),
     "no_doorbell_for_chip": (
         {"doorbells": {"elsewhere": NOBODY}},
         f"no trainer rank on chip {CHIP}",
     ),
     "nobody_listening": ({}, f"cannot reach the trainer's doorbell '{NOBODY}'"),
-    "zero_copy": ({"zero_copy": "yes"}, "'zero_copy' must be bool"),
-    "protocol_version": ({"protocol_version": "2"}, "'protocol_version' must be int"),
-    "bucket_bytes": ({"packed_buffer_size_bytes": 0}, "packed_buffer_size_bytes must be in"),
-    "timeout_s": ({"timeout_s": -1}, "timeout_s must be in"),
-    "on_failure": ({"on_failure": "later"}, "on_failure must be one of"),
-    "unknown_field": ({"bogus": 1}, "bogus"),
+    "zero_copy": ({"zero_copy": "yes"}, "zero_copy: Input should be a valid boolean"),
+    "old_protocol": ({"protocol_version": 5}, "protocol_version: Unexpected keyword argument"),
+    "bucket_bytes": (
+        {"packed_buffer_size_bytes": 0},
+        "packed_buffer_size_bytes: Input should be greater than 0",
+    ),
+    "timeout_s": ({"timeout_s": -1}, "timeout_s: Input should be greater than 0"),
+    "on_failure": ({"on_failure": "later"}, "on_failure: Input should be 'restore' or 'hold'"),
+    "unknown_field": ({"bogus": 1}, "bogus: Unexpected keyword argument"),
 }
 
 

@@ -62,7 +62,7 @@ HCCL_RANK = """
     torch.npu.set_device(0)
     dev = current_device()
     ch = BroadcastChannel.open(dev, "127.0.0.1", port, rank, 2, int(sys.argv[3]))
-    assert ch.agree(True, 7, "probe") == (True, True)
+    assert ch.agree(2, 7, "probe") == (2, True)  # Verdict.GO
     want = torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8)
     t = (want if rank == 0 else torch.zeros_like(want)).to(dev.torch_device())
     ch.wait(ch.broadcast(t), "payload")

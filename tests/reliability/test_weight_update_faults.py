@@ -22,33 +22,39 @@ pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)
 
 GOOD_INIT = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 2}
 BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
-    "missing_field": ({"master_address": None}, "master_address"),
-    "master_address": ({"master_address": 7}, "'master_address' must be str"),
-    "master_port": ({"master_port": "29999"}, "'master_port' must be int"),
-    "world_size": ({"world_size": [2]}, "'world_size' must be int"),
-    "packed": ({"packed": "yes"}, "'packed' must be bool"),
-    "bucket_bytes": ({"packed_buffer_size_bytes": -1}, "packed_buffer_size_bytes must be in"),
-    "num_buffers": ({"packed_num_buffers": 0}, "packed_num_buffers must be in"),
-    "timeout_s": ({"timeout_s": 0}, "timeout_s must be in"),
-    "rank_offset": ({"rank_offset": 0}, "rank_offset must be >= 1"),
-    "unknown_field": ({"unknown_field": "x"}, "unknown_field"),
-    "world_of_one": ({"world_size": 1}, "world_size must count the trainer"),
+    "missing_field": ({"master_address": None}, "master_address: Field required"),
+    "master_address": ({"master_address": 7}, "master_address: Input should be a valid string"),
+    "master_port": ({"master_port": "29999"}, "master_port: Input should be a valid integer"),
+    "world_size": ({"world_size": [2]}, "world_size: Input should be a valid integer"),
+    "packed": ({"packed": "yes"}, "packed: Input should be a valid boolean"),
+    "bucket_bytes": (
+        {"packed_buffer_size_bytes": -1},
+        "packed_buffer_size_bytes: Input should be greater than 0",
+    ),
+    "num_buffers": (
+        {"packed_num_buffers": 0},
+        "packed_num_buffers: Input should be greater than or equal to 1",
+    ),
+    "timeout_s": ({"timeout_s": 0}, "timeout_s: Input should be greater than 0"),
+    "rank_offset": ({"rank_offset": 0}, "rank_offset: Input should be greater than or equal to 1"),
+    "unknown_field": ({"unknown_field": "x"}, "unknown_field: Unexpected keyword argument"),
+    "world_of_one": ({"world_size": 1}, "world_size: Input should be greater than or equal to 2"),
     "no_rank_left": ({"rank_offset": 2}, "leaves no rank for engine worker"),
-    "on_failure": ({"on_failure": "ignore"}, "on_failure must be one of"),
+    "on_failure": ({"on_failure": "ignore"}, "on_failure: Input should be 'restore' or 'hold'"),
 }
 NAME = "model.norm.weight"
 BAD_UPDATE = {  # update_info -> words the refusal must contain
     "shape_is_int": (
         {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [128]},
-        "'shapes[0]' must be list[int]",
+        "shapes[0]: Input should be a valid list",
     ),
     "dtype_is_int": (
         {"names": [NAME], "dtype_names": [16], "shapes": [[128]]},
-        "'dtype_names[0]' must be str",
+        "dtype_names[0]: Input should be a valid string",
     ),
     "name_is_list": (
         {"names": [[NAME]], "dtype_names": ["bfloat16"], "shapes": [[128]]},
-        "'names[0]' must be str",
+        "names[0]: Input should be a valid string",
     ),
     "missing_field": ({"names": [NAME], "shapes": [[128]]}, "dtype_names"),
     "lengths_differ": (
@@ -138,11 +144,11 @@ class TestHCCLUpdateFaults(WeightSyncServers):
     def test_hold_mode_generates_nothing_until_a_complete_sync(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env, percent
     ):
-        """on_failure="hold": no copy of the old weights. Once a layer took new weights, after
-        the crash nothing is generated (a request waits, /resume is refused, naming the
-        version that is partly loaded) until a new
-        trainer completes a sync. A crash before any layer took new weights (possible at 2 %)
-        leaves the old model whole, and it serves at once."""
+        """on_failure="hold": no copy of the old weights. The trainer pauses (keep) and dies
+        mid-sync. Once a layer took new weights, nothing is generated (a request waits,
+        /resume is refused, naming the version that is partly loaded) until a new trainer
+        completes a sync; then /resume works. A crash before any layer took new weights
+        (possible at 2 %) leaves the old model whole, and it resumes at once."""
         n = len(parameter_shapes(TinyModelSpec()))
         env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "doomed.log", env=env) as doomed:
@@ -169,27 +175,30 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         assert "of version 'v2-partial' failed after" in r.text, r.text
         assert engine.is_healthy()
         self.init(trainer, engine)
-        trainer.send(weight_version="v2")  # complete: the hold lifts by itself
+        trainer.send(weight_version="v2")  # complete: the weights are whole again
+        assert _post(engine.url, "/resume").status_code == 200
         waiting.join(120)
         assert waiting.ok and waiting.token_ids == greedy_token_ids(reference.url, PROBE, 24)
 
-    def test_hold_of_an_update_abandoned_before_any_weight_lapses(
+    def test_hold_an_update_abandoned_before_any_weight_resumes_on_the_old_weights(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
     ):
-        """on_failure="hold", and the trainer is gone right after start_weight_update: a
-        request waits, the hold lapses after timeout_s (the model is still whole), the first
-        forward pass ends the abandoned update, and the request completes on the old
-        weights. The next trainer then syncs normally."""
-        timeout_s = 6
+        """on_failure="hold", and the trainer is gone right after it paused and started an
+        update: a request waits while paused; /resume is accepted (no weight arrived, the
+        model is whole), the first forward pass ends the abandoned update, and the request
+        completes on the old weights. The next trainer then syncs normally."""
+        ctl = EngineControlClient(engine.url)
         env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=tmp_path / "gone.log", env=env) as gone:
-            self.init(gone, engine, timeout_s=timeout_s, on_failure="hold")
+            self.init(gone, engine, timeout_s=6, on_failure="hold")
+            ctl.pause(mode="keep")
             assert _post(engine.url, "/start_weight_update", {}).status_code == 200
         waiting = StreamingCompletion(engine.url, PROBE, 24, ignore_eos=False)
         waiting.start()
         time.sleep(2)
-        assert waiting.is_alive() and waiting.num_tokens == 0, "generated during the update"
-        waiting.join(timeout_s + 60)
+        assert waiting.is_alive() and waiting.num_tokens == 0, "generated while paused"
+        assert _post(engine.url, "/resume").status_code == 200
+        waiting.join(60)
         assert waiting.ok and waiting.token_ids == v1_probe
         self.init(trainer, engine)
         trainer.send(weight_version="v2")

@@ -47,7 +47,6 @@ class TrainerProcess:
     ) -> None:
         self.model_path = str(model_path)
         self.last_url: str | None = None
-        self.holds: dict[str, bool] = {}  # url -> initialized with on_failure="hold"
         self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (lives with the process)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.trainer", self.model_path],
@@ -107,7 +106,6 @@ class TrainerProcess:
         (an external load balancer): each has its own connection, kept by URL."""
         self.request("init", backend=backend, url=url, init_info=init_info)
         self.last_url = url
-        self.holds[url] = init_info.get("on_failure") == "hold"
 
     def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
         """Form torch.distributed's default (gloo) group with the other trainer processes,
@@ -124,12 +122,11 @@ class TrainerProcess:
     ) -> dict:
         """Sync the engine at ``url`` (default: the one initialized last). ``pause``: an
         engine that is not paused is paused (``keep``) for the sync and resumed after, as an
-        RL loop does (``send_weights`` refuses an engine that generates, unless the update
-        holds generation itself: ``on_failure="hold"``)."""
+        RL loop does (``send_weights`` refuses an engine that generates)."""
         from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
         target = url or self.last_url
-        pause = pause and target is not None and not self.holds.get(target, False)
+        pause = pause and target is not None
         ctl = EngineControlClient(target, timeout_s=60) if pause else None
         try:
             paused_here = ctl is not None and ctl.is_paused() is False
@@ -226,14 +223,14 @@ def _faulty_source(model, faults: dict):
 
 def _patch_payload(engine, patch: dict) -> None:
     """Overwrite fields of the next update_weights payload (e.g. a corrupt IPC handle)."""
-    original = engine._payload
+    original = engine.payload
 
     def patched(specs, plan):
         payload = original(specs, plan)
         payload.update(patch)
         return payload
 
-    engine._payload = patched
+    engine.payload = patched
 
 
 def _serve(model_path: str) -> None:
@@ -350,7 +347,7 @@ def _serve(model_path: str) -> None:
                     r = engine.send_weights(weight_version=msg.get("weight_version"))
                 finally:
                     engine.source = saved
-                    engine.__dict__.pop("_payload", None)
+                    engine.__dict__.pop("payload", None)
                 reply(
                     True,
                     {

@@ -17,10 +17,11 @@ from tests.unit.test_ipc_transport import doorbell_pair
 from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, pieces
 from vllm_ascend_rl.weight_transfer.hccl import (
-    AscendRLHCCLTrainerWeightTransferEngine,
+    DIRECT_BYTES,
     AscendRLHCCLWeightTransferEngine,
     AscendRLHCCLWeightTransferInitInfo,
 )
+from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferEngine,
     AscendRLNPUIPCWeightTransferInitInfo,
@@ -29,6 +30,7 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
     AscendRLNPUIPCTrainerWeightTransferEngine,
 )
+from vllm_ascend_rl.weight_transfer.wire import plan_for
 
 MiB = 1 << 20
 BUCKET, BUFFERS = 1 * MiB, 2
@@ -46,13 +48,20 @@ def _engine(cls, info):
     parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
     config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
     engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
-    engine._after_init(info)
+    engine.init_info = info
+    buckets = (info.packed_num_buffers + 2) * info.packed_buffer_size_bytes
+    engine.session.configure(info.on_failure, info.delta, buckets)
     return engine
+
+
+def _plan(engine, specs):
+    alone = DIRECT_BYTES if isinstance(engine, AscendRLHCCLWeightTransferEngine) else None
+    return plan_for(engine.init_info, specs, alone)
 
 
 def _receive(engine, specs) -> dict[str, torch.Tensor]:
     got = {}
-    for bucket, buf in engine._buckets(engine._plan(specs), None):
+    for bucket, buf in engine._buckets(_plan(engine, specs)):
         for spec, off in zip(bucket.specs, bucket.offsets, strict=True):
             got[spec.name] = buf[off : off + spec.nbytes].clone()
         del buf  # loaded: as the engine's receive_weights drops it
@@ -83,12 +92,12 @@ def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound
             trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
             trainer.channel, trainer.init_info = ch, info
             trainer.hw, trainer._staging = get_device("cpu"), []
-            trainer._send(trainer._plan(specs), iter(tensors.items()), poll, bar)
+            trainer.send(plan_for(info, specs, DIRECT_BYTES), iter(tensors.items()), poll, bar)
             return None
         engine = _engine(AscendRLHCCLWeightTransferEngine, info)
         engine.channel = ch
         got = _receive(engine, specs)
-        return got, engine.pool.end_update()
+        return got, engine.session.pool.end_update()
 
     trainer_error, (got, (_, peak)) = run_ranks(2, body, timeout_s=20)
     assert trainer_error is None
@@ -119,12 +128,12 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
     )
     engine.doorbell = engine_side
     try:
-        plan = trainer._plan(specs)
+        plan = plan_for(trainer.init_info, specs, None)
         assert max(b.nbytes for b in plan) > 5 * MiB  # the tensor travels alone
         handles = trainer._ring_handles(plan)
         assert [b.tensor.numel() for b in trainer.ring] == [BUCKET] * BUFFERS  # not 5 MiB
 
-        engine._map({trainer.hw.location()["chip"]: handles}, engine._plan(specs))
+        engine._map({trainer.hw.location()["chip"]: handles}, _plan(engine, specs))
         errors: list[BaseException] = []
 
         def send() -> None:
@@ -141,7 +150,7 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         assert not errors, errors
         for name, t in tensors.items():
             assert torch.equal(got[name], t.view(-1).view(torch.uint8)), name
-        _, peak = engine.pool.end_update()
+        _, peak = engine.session.pool.end_update()
         assert peak <= BUCKET, peak  # copy-out takes a bucket per packed bucket, none for pieces
     finally:
         engine._disconnect()

@@ -26,7 +26,7 @@ OURS = {
         "vllm_ascend_rl.weight_transfer.hccl.AscendRLHCCLWeightTransferEngine"
     ),
     ("WeightTransferTrainerFactory", HCCL_BACKEND): (
-        "vllm_ascend_rl.weight_transfer.hccl.AscendRLHCCLTrainerWeightTransferEngine"
+        "vllm_ascend_rl.weight_transfer.hccl_trainer.AscendRLHCCLTrainerWeightTransferEngine"
     ),
     ("WeightTransferEngineFactory", NPU_IPC_BACKEND): (
         "vllm_ascend_rl.weight_transfer.npu_ipc.AscendRLNPUIPCWeightTransferEngine"

@@ -1,35 +1,46 @@
-"""Which of vLLM's engine-core calls is changing the scheduler's state.
+"""The one place that reads the call stack: which of vLLM's engine-core calls is changing the
+scheduler's pause state.
 
 vLLM's engine core restarts scheduling the same way for ``/resume`` and for ``/wake_up``: both
-end in ``scheduler.set_pause_state(UNPAUSED)``. So a resume cannot know that the engine is
-asleep (the next step would run on released memory and kill the engine core), and a wake drops
-a pause the trainer took before the engine slept. The scheduler can tell them apart by the
-engine-core method that called it: ``sleep``, ``wake_up`` and ``release_kv_cache_memory`` are
-the names the engine-core client invokes as utility calls (``core_client.py``), the same in
-vLLM 0.27.1 and 0.32, so they are part of vLLM's engine protocol, not an implementation detail.
+end in ``scheduler.set_pause_state(UNPAUSED)`` (``EngineCore.resume_scheduler``, which
+``wake_up`` calls), and the scheduler is never told about sleep. So the plugin scheduler looks
+up the stack for the engine-core method that called it: ``sleep``, ``wake_up``,
+``release_kv_cache_memory`` and ``resume_scheduler`` are utility calls the engine-core client
+invokes by name (``core_client.py``), the same in vLLM 0.27.1 and 0.32. The engine core found
+there also lets a resume ask the workers whether their weights are whole.
+``tests/unit/test_engine_calls.py`` runs vLLM's own ``EngineCore`` methods through this on both
+vLLM releases, so a change of vLLM's call chain fails there, loudly.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
-ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "release_kv_cache_memory"})
-_MAX_DEPTH = 6  # set_pause_state <- pause_scheduler/resume_scheduler/_reset_caches <- the call
+ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "release_kv_cache_memory", "resume_scheduler"})
+_MAX_DEPTH = 8  # set_pause_state <- resume_scheduler (DP, then base) <- wake_up <- ...
 
 
-def engine_core_call(scheduler: Any) -> tuple[str | None, dict[str, Any]]:
-    """The engine-core call (one of :data:`ENGINE_CORE_CALLS`) that is running on the
-    engine that owns ``scheduler`` and led to the current scheduler method, with its
-    arguments; ``(None, {})`` for any other caller (``/pause``, ``/resume``, a step)."""
+@dataclass
+class EngineCoreCall:
+    """The outermost engine-core call running on the engine that owns the scheduler."""
+
+    name: str | None = None  # one of ENGINE_CORE_CALLS, or None (a step, /pause, a test)
+    args: dict[str, Any] = field(default_factory=dict)  # that call's local variables
+    engine_core: Any = None
+
+
+def engine_core_call(scheduler: Any) -> EngineCoreCall:
+    """The engine-core call that led to the scheduler method asking (its caller's caller)."""
+    found = EngineCoreCall()
     frame = sys._getframe(2)  # skip this function and the scheduler method that asked
     for _ in range(_MAX_DEPTH):
         if frame is None:
             break
+        owner = frame.f_locals.get("self")
         name = frame.f_code.co_name
-        if name in ENGINE_CORE_CALLS:
-            owner = frame.f_locals.get("self")
-            if getattr(owner, "scheduler", None) is scheduler:
-                return name, frame.f_locals
+        if name in ENGINE_CORE_CALLS and getattr(owner, "scheduler", None) is scheduler:
+            found = EngineCoreCall(name, dict(frame.f_locals), owner)
         frame = frame.f_back
-    return None, {}
+    return found

@@ -26,7 +26,6 @@ Recompute policy (``--additional-config '{"ascend_rl": {"recompute_mode": "bounc
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -39,7 +38,6 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
-from vllm_ascend_rl.core.hold import hold_state, read_hold
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -47,7 +45,6 @@ logger = get_logger(__name__)
 CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
 SLEEP_LEVELS = (0, 1, 2)  # 0 pauses scheduling only
-HOLD_POLL_S = 0.02  # step period while only waiting for a hold to lapse
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
@@ -106,15 +103,10 @@ class RecomputeScheduler(Scheduler):
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
         self._asleep: PauseState | None = None  # while asleep: the pause in force before
         self._released = False  # /release_kv_cache_memory ran and no wake_up since
-        self._held: str | None = None  # why we paused generation ourselves (on_failure=hold)
-        self._held_lapses = False  # ... and that hold lapses by itself: keep stepping
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        if self._held_lapses:  # stepping only to see the hold lapse: do not spin hot
-            time.sleep(HOLD_POLL_S)
-        self._hold_if_weights_not_whole()
         # Marks the only preemptions that may bounce: the ones upstream's loop makes for blocks.
         self._in_schedule = True
         try:
@@ -167,55 +159,28 @@ class RecomputeScheduler(Scheduler):
 
     def has_requests(self) -> bool:
         # Keeps the engine stepping until a bounce's output is delivered.
-        lapsing, self._held_lapses = self._held_lapses, False
-        if self._held is not None:
-            reason, lapses_at = hold_state(self.vllm_config)
-            if reason is None:  # the update completed, or its hold lapsed: lift ours
-                self._held = None
-                logger.info(
-                    "the hold of a weight update abandoned before any weight arrived lapsed: "
-                    "generation resumes on the old weights"
-                    if lapsing
-                    else "weights whole again: generation resumes"
-                )
-                super().set_pause_state(PauseState.UNPAUSED)
-            elif lapses_at is not None:
-                # Paused, the engine core would wait for input and never see the lapse.
-                self._held_lapses = len(self.waiting) + len(self.running) > 0
-        return self._held_lapses or bool(self._bounced) or super().has_requests()
-
-    # -- on_failure=hold (vllm_ascend_rl.core.hold) -------------------------------------
-    def _hold_if_weights_not_whole(self) -> None:
-        """While a worker says its weights are not whole, no step runs: requests wait."""
-        if self.pause_state != PauseState.UNPAUSED:
-            return
-        reason = read_hold(self.vllm_config)
-        if reason is not None:
-            self._held = reason
-            logger.warning("holding generation: %s", reason)
-            super().set_pause_state(PauseState.PAUSED_ALL)
+        return bool(self._bounced) or super().has_requests()
 
     # -- pause state across sleep and memory release ------------------------------------
     def set_pause_state(self, pause_state: PauseState) -> None:
-        """Upstream's, except around sleep and holds: generation cannot restart while memory
-        is not resident or the weights are not whole, and the resume that vLLM's ``wake_up``
-        issues keeps a pause that was in force before the sleep."""
-        pause_state = self._checked_pause_state(pause_state)
-        self._held = None  # an accepted change: the caller owns the pause state from now on
-        super().set_pause_state(pause_state)
+        """Upstream's, except that generation cannot restart while memory is not resident or
+        a worker's weights are not whole, and the resume that vLLM's ``wake_up`` issues keeps a
+        pause that was in force before the sleep."""
+        super().set_pause_state(self._checked_pause_state(pause_state))
 
     def _checked_pause_state(self, pause_state: PauseState) -> PauseState:
         """The state to set instead of ``pause_state``; raises to refuse the change.
         Which engine-core call is asking: :mod:`vllm_ascend_rl.core.engine_calls`."""
-        call, args = engine_core_call(self)
-        if call == "sleep" and args.get("level") not in SLEEP_LEVELS:
+        call = engine_core_call(self)
+        args = call.args
+        if call.name == "sleep" and args.get("level") not in SLEEP_LEVELS:
             # vLLM 0.27.1's /sleep passes any level on and pauses before the workers refuse.
             raise ValueError(f"sleep level {args.get('level')} is not supported: use 0, 1 or 2")
         if pause_state != PauseState.UNPAUSED:
-            if call == "sleep" and self._asleep is None:
+            if call.name == "sleep" and self._asleep is None:
                 self._asleep = self.pause_state  # the pause in force before the sleep
             return pause_state
-        if call == "wake_up":
+        if call.name == "wake_up":
             before = self.pause_state if self._asleep is None else self._asleep
             self._asleep, self._released = None, False
             if before != PauseState.UNPAUSED:
@@ -225,14 +190,16 @@ class RecomputeScheduler(Scheduler):
                     before.name,
                 )
             return before
-        refusal = read_hold(self.vllm_config)
-        if refusal is None and (self._asleep is not None or self._released):
+        refusal = None
+        if self._asleep is not None or self._released:
             refusal = (
                 "the engine "
                 + ("was put to sleep" if self._asleep is not None else "released its KV cache")
                 + ", and a step would run on memory that is not resident; call /wake_up first "
                 "(also after a /sleep that failed)"
             )
+        elif call.engine_core is not None:
+            refusal = workers_not_whole(call.engine_core)
         if refusal is not None:
             raise RuntimeError(
                 f"refusing to resume generation: {refusal}. The pause stays in force and "
@@ -241,9 +208,17 @@ class RecomputeScheduler(Scheduler):
         return pause_state
 
     def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        if engine_core_call(self)[0] == "release_kv_cache_memory":
+        if engine_core_call(self).name == "release_kv_cache_memory":
             self._released = True  # vLLM resets the caches just before discarding them
         return super().reset_prefix_cache(*args, **kwargs)
+
+
+def workers_not_whole(engine_core: Any) -> str | None:
+    """Why a worker of ``engine_core`` must not run the model now (on_failure="hold"), asked
+    over the engine core's own ``collective_rpc``; None if every worker may."""
+    from vllm_ascend_rl.weight_transfer.session import weights_not_whole
+
+    return next(filter(None, engine_core.model_executor.collective_rpc(weights_not_whole)), None)
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):

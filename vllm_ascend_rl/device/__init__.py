@@ -116,9 +116,6 @@ class Device(ABC):
 
     kind: str  # "cpu" or "npu"
     collective_backend: str  # torch.distributed backend name for weight broadcasts
-    # Whether a collective may stay pending for long (a refusal no trainer joined yet, see
-    # BroadcastChannel.refuse) without blocking anything else on the device.
-    collective_may_stay_pending: bool = False
 
     def __init__(self, index: int = 0) -> None:
         # The device this object serves: an NPU's logical index (the current device is per

@@ -44,7 +44,6 @@ def _host_kernels():
 class CpuDevice(Device):
     kind = "cpu"
     collective_backend = "gloo"
-    collective_may_stay_pending = True  # gloo runs it on a host thread of its own
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(index)

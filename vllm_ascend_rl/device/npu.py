@@ -95,11 +95,6 @@ def _unb64(text: Any, field: str) -> bytes | None:
 class NpuDevice(Device):
     kind = "npu"
     collective_backend = "hccl"
-    # An HCCL all-reduce is a task on the device that waits for its peers until the exec
-    # timeout. Pending, it would block every device-wide synchronize: torch.npu.synchronize,
-    # empty_cache, vLLM's update_weights (vllm/distributed/weight_transfer/base.py:323 in
-    # 0.27.1), and the exit sync.
-    collective_may_stay_pending = False
 
     def __init__(self, index: int = 0) -> None:
         _torch_npu()

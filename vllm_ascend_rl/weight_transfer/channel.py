@@ -2,22 +2,15 @@
 
 A refusal must reach both sides: if one side raised before a collective, the other would wait
 in it until the backend's timeout. So before any payload, every rank contributes to one
-all-reduce (MIN) of ``[ok, signature, -signature]``: all ranks learn whether everyone is ready
-and whether everyone computed the same signature of what is about to be sent. After any failed
-or timed-out collective the group is unusable (the byte stream is out of step) and is marked
-broken; the caller must open a new one.
-
-A refusal is the exception to "wait for everyone": an engine that refuses an update on its own
-(the metadata does not fit its model) gives a trainer a short grace to join, then returns the
-refusal and leaves its contribution pending (``deferred``). A hand-written ``update_weights``
-with no trainer behind it is thus refused at once; the next trainer update meets the pending
-contribution, learns it was refused, and retries (see ``STALE_HANDSHAKE``).
+all-reduce (MIN) of ``[verdict, signature, -signature]``: all ranks learn the lowest verdict
+(a refusal wins) and whether everyone computed the same signature of what is about to be sent.
+After any failed or timed-out collective the group is unusable (the byte stream is out of
+step) and is marked broken; the caller must open a new one.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable
 
 import torch
@@ -31,15 +24,6 @@ logger = get_logger(__name__)
 
 Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed)
 
-REFUSAL_GRACE_S = 2.0  # a trainer posts its handshake as it sends update_weights: long enough
-# The engine's answer to the trainer update that met an earlier refusal's pending handshake;
-# the trainer retries that update once.
-STALE_HANDSHAKE = (
-    "this update's handshake met the pending refusal of an earlier update_weights that no "
-    "trainer joined (a hand-written call?); nothing was sent, retry the update"
-)
-
-
 POLL_GRACE_S = 2.0  # how long a collective may trail the peer's HTTP answer
 
 
@@ -50,12 +34,6 @@ def _completes_within(work, seconds: float) -> bool:
             return False
         time.sleep(0.001)
     return True
-
-
-def _verdict(t: torch.Tensor) -> tuple[bool, bool]:
-    """A completed handshake: (everyone ok, everyone sent the same signature)."""
-    all_ok, lo, neg_hi = (int(v) for v in t.cpu())
-    return bool(all_ok), lo == -neg_hi
 
 
 def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Exception | None:
@@ -84,11 +62,6 @@ class ChannelError(RuntimeError):
     """A collective failed or timed out; the channel must be re-initialized."""
 
 
-def signature(*parts: object) -> int:
-    """A 30-bit digest of ``parts``, small enough to negate inside an int32 all-reduce."""
-    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
-
-
 class BroadcastChannel:
     """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
 
@@ -97,7 +70,6 @@ class BroadcastChannel:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.broken: str | None = None
         self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
-        self.deferred: tuple[object, torch.Tensor] | None = None  # a refusal nobody met yet
 
     @classmethod
     def open(
@@ -162,49 +134,16 @@ class BroadcastChannel:
             self.broken = f"{what} failed: {detail}"
             raise ChannelError(self.broken) from e
 
-    def agree(self, ok: bool, sig: int, what: str, poll: Poll | None = None) -> tuple[bool, bool]:
-        """All-reduce ``ok`` and ``sig``: (everyone ok, everyone has the same signature)."""
+    def agree(self, code: int, sig: int, what: str, poll: Poll | None = None) -> tuple[int, bool]:
+        """All-reduce (MIN) ``[code, sig, -sig]``: (the lowest code any rank sent, whether
+        every rank sent the same signature)."""
         self._check()
-        work, t = self._issue_handshake(ok, sig)
-        self.wait(work, what, poll)
-        return _verdict(t)
-
-    def _issue_handshake(self, ok: bool, sig: int) -> tuple[object, torch.Tensor]:
-        """Start the all-reduce (MIN) of ``[ok, sig, -sig]``; (pending work, its tensor)."""
-        t = torch.tensor([int(ok), sig, -sig], dtype=torch.int32, device=self.device.torch_device())
+        t = torch.tensor([code, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
-        return self._issued(self.pg.allreduce([t], opts)), t
-
-    def refuse(self, sig: int, what: str, grace_s: float) -> None:
-        """Contribute a refusal to the handshake and wait up to ``grace_s`` for the others;
-        if they have not joined by then, leave it pending in ``deferred`` (not broken), or
-        where the device cannot leave a collective pending, mark the channel broken."""
-        self._check()
-        if self.deferred is not None:  # one pending refusal answers the next handshake
-            return
-        work, t = self._issue_handshake(False, sig)
-        if _completes_within(work, min(grace_s, self.timeout_s)):
-            self.wait(work, what)
-        elif self.device.collective_may_stay_pending:
-            self.deferred = (work, t)
-        else:
-            self.broken = (
-                f"{what}: no trainer joined a refusal within {grace_s:.0f}s, and on "
-                f"{self.device.kind} a collective may not stay pending"
-            )
-
-    def deferred_met(self) -> bool:
-        return self.deferred is not None and self.deferred[0].is_completed()
-
-    def settle_deferred(self, what: str) -> bool:
-        """Wait (within ``timeout_s``) for the pending refusal to meet the others'
-        handshake. True if they sent the refused update's own signature (a slow trainer
-        joined the refused update), False if it met another update's handshake."""
-        assert self.deferred is not None
-        (work, t), self.deferred = self.deferred, None
-        self.wait(work, what)
-        return _verdict(t)[1]
+        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll)
+        lowest, lo, neg_hi = (int(v) for v in t.cpu())
+        return lowest, lo == -neg_hi
 
     def _check(self) -> None:
         if self.broken:
@@ -218,8 +157,7 @@ class BroadcastChannel:
         peer: the device tears it down without waiting for it (on NPU: abort the
         communicator, not a shutdown that synchronizes the hung stream)."""
         pg, self.pg = self.pg, None
-        broken = self.broken is not None or self.deferred is not None  # a collective waits
-        self.deferred = None
+        broken = self.broken is not None  # a collective may wait on a dead peer
         self.broken = self.broken or "closed"
         if pg is not None:
             try:

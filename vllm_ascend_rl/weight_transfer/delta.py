@@ -170,7 +170,12 @@ def fingerprint(model: torch.nn.Module) -> int:
 
 
 class DeltaRefused(ValueError):
-    """A delta update that does not fit this engine's base; nothing was loaded."""
+    """A delta update that does not fit this engine's base; nothing was loaded. ``stale``:
+    the engine holds another base, and the trainer should send every tensor whole."""
+
+    def __init__(self, message: str, stale: bool = False) -> None:
+        super().__init__(message)
+        self.stale = stale
 
 
 @dataclass
@@ -268,7 +273,8 @@ class EngineBase(HostBase):
             have = "no base" if self.version is None else f"base {self.version!r}"
             raise DeltaRefused(
                 f"the update's sparse tensors refer to base {base_version!r} but this engine "
-                f"holds {have}: {STALE_BASE}"
+                f"holds {have}: {STALE_BASE}",
+                stale=True,
             )
         for s in sparse:
             held = self.tensors.get(s.name)

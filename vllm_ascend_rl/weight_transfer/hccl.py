@@ -1,13 +1,12 @@
-"""HCCL weight transfer: the trainer (rank 0) broadcasts checkpoint-format weights to every
-engine worker (rank ``dp_index * world_size + rank + rank_offset``).
+"""HCCL weight transfer, engine side: the trainer (rank 0) broadcasts checkpoint-format weights
+to every engine worker (rank ``dp_index * world_size + rank + rank_offset``).
 
 On Ascend the collective is HCCL; on CPU hosts the same code runs over gloo (see
-:mod:`vllm_ascend_rl.device`). Wire parameters (packed, bucket size, buffers, timeout) are sent
-by the trainer at init and confirmed by a signature all-reduce, so the two sides cannot decode
-differently. Every update is validated against the model before any byte moves, agreed by all
-ranks, then streamed in buckets while the engine loads the previous bucket (double buffering).
-
-Trainer side::
+:mod:`vllm_ascend_rl.device`). The wire parameters are sent by the trainer at init and both
+sides sign them; every update is vetted against the model before any byte moves, agreed by all
+ranks (a :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the plan's signature), then
+streamed in buckets while the engine loads the previous bucket. The trainer side is
+:mod:`vllm_ascend_rl.weight_transfer.hccl_trainer`::
 
     vllm_ascend_rl.register()
     engine = WeightTransferTrainerFactory.trainer_init(
@@ -20,53 +19,41 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
+from pydantic import Field
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
-    VLLMWeightSyncClient,
-    WeightSource,
+    WeightTransferEngine,
     WeightTransferInitInfo,
 )
 
 from vllm_ascend_rl._registration import HCCL_BACKEND
+from vllm_ascend_rl.compat import EngineCompat
+from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.device.group import exec_timeout_s
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import (
-    Bucket,
-    TensorSpec,
-    as_bytes,
-    iter_bucket_tensors,
-    pack_into,
-    pieces,
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
+from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
+from vllm_ascend_rl.weight_transfer.engine_side import (
+    TransferFailed,
+    check_receive_call,
+    engine_setup,
+    load_buckets,
+    refused,
+    update_failed,
+    vet_update,
 )
-from vllm_ascend_rl.weight_transfer.channel import (
-    REFUSAL_GRACE_S,
-    STALE_HANDSHAKE,
-    BroadcastChannel,
-    ChannelError,
-)
-from vllm_ascend_rl.weight_transfer.engine_base import CheckpointEngine
-from vllm_ascend_rl.weight_transfer.trainer_side import (
-    BackgroundCall,
-    CheckpointTrainer,
-    Progress,
-    WeightSyncError,
-    check_world_size,
-)
+from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_NUM_BUFFERS,
-    DEFAULT_ON_FAILURE,
-    DEFAULT_TIMEOUT_S,
-    DEFAULT_VALIDATION,
-    PROTOCOL_VERSION,
     CheckpointUpdateInfo,
-    check_wire,
-    engine_wire,
-    update_signature,
+    Verdict,
+    WireParams,
+    parse_wire,
+    plan_for,
+    plan_signature,
+    wire_dataclass,
     wire_signature,
 )
 
@@ -78,87 +65,57 @@ logger = get_logger(__name__)
 DIRECT_BYTES = 8 << 20
 
 
-@dataclass(kw_only=True)
-class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo):
-    """Engine-side init info; the trainer fills it in (rank 0 hosts the rendezvous)."""
-
-    master_address: str
-    master_port: int
-    world_size: int
-    rank_offset: int = 1
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
-    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
-    protocol_version: int = PROTOCOL_VERSION
-
-    def __post_init__(self) -> None:
-        check_wire(self)
-        if not self.master_address:
-            raise ValueError("master_address must name the trainer's host, got ''")
-        if not 0 < self.master_port < 65536:
-            raise ValueError(f"master_port must be a TCP port, got {self.master_port!r}")
-        if self.rank_offset < 1:
-            raise ValueError(f"rank_offset must be >= 1 (rank 0 trains), got {self.rank_offset}")
-        if self.world_size < 2:
-            raise ValueError(
-                f"world_size must count the trainer and at least one worker, got {self.world_size}"
-            )
-
-
-@dataclass
-class HCCLTrainerInitInfo(TrainerInitInfo):
+@wire_dataclass
+class HCCLTrainerInitInfo(TrainerInitInfo, WireParams):
     """Trainer-side init info. ``world_size`` = 1 trainer + every engine worker (TP*PP*DP).
-
     ``timeout_s`` bounds every rendezvous and collective: a dead peer turns into an error
-    within it, never a hang.
-    """
+    within it, never a hang."""
 
     backend: ClassVar[str] = HCCL_BACKEND
 
-    master_address: str
-    master_port: int
-    world_size: int
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
-    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
-
-    def __post_init__(self) -> None:
-        check_wire(self)
+    master_address: Annotated[str, Field(min_length=1)]
+    master_port: Annotated[int, Field(gt=0, lt=65536)]
+    world_size: Annotated[int, Field(ge=2)]
 
 
-@dataclass
+@wire_dataclass
+class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo, WireParams):
+    """Engine-side init info; the trainer fills it in (rank 0 hosts the rendezvous)."""
+
+    master_address: Annotated[str, Field(min_length=1)]
+    master_port: Annotated[int, Field(gt=0, lt=65536)]
+    world_size: Annotated[int, Field(ge=2)]
+    rank_offset: Annotated[int, Field(ge=1)] = 1
+
+
+@wire_dataclass
 class AscendRLHCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """One update's metadata, in the order the trainer broadcasts the tensors."""
 
 
-class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
+class AscendRLHCCLWeightTransferEngine(
+    EngineCompat,
+    WeightTransferEngine[AscendRLHCCLWeightTransferInitInfo, AscendRLHCCLWeightTransferUpdateInfo],
+):
     """Engine (worker) side. Loads through vLLM's layerwise reload; refuses bad updates whole."""
 
     init_info_cls = AscendRLHCCLWeightTransferInitInfo
     update_info_cls = AscendRLHCCLWeightTransferUpdateInfo
-    alone_bytes = DIRECT_BYTES
+    supports_draft_weight_update = False  # vetted against, and loaded into, the target model
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
+        self.hw, self.session = engine_setup(self, device)
+        self.init_info: AscendRLHCCLWeightTransferInitInfo | None = None
         self.channel: BroadcastChannel | None = None
-        self._owe_stale = False  # a trainer update met a pending refusal; answer its call
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
-        self._check_init(init_info)
-        rank = self.worker_index + init_info.rank_offset
+        rank = worker_index(self.parallel_config) + init_info.rank_offset
         if rank >= init_info.world_size:  # refused before any rendezvous: no wait
             raise ValueError(
                 f"world_size={init_info.world_size} leaves no rank for engine worker "
-                f"{self.worker_index} (rank_offset={init_info.rank_offset}): world_size must "
-                "count the trainer and every engine worker (TP x PP x DP)"
+                f"{rank - init_info.rank_offset} (rank_offset={init_info.rank_offset}): "
+                "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
         # The live connection (if any) stays until the new one is up: a stale trainer's
         # failed init must not break the trainer that is connected.
@@ -170,23 +127,27 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
             init_info.world_size,
             init_info.timeout_s,
         )
-        ok = init_info.protocol_version == PROTOCOL_VERSION
         try:
-            all_ok, same = channel.agree(ok, wire_signature(init_info), "init handshake")
+            _, same = channel.agree(
+                Verdict.GO, wire_signature(init_info, DIRECT_BYTES), "init handshake"
+            )
         except ChannelError:
             channel.close()
             raise
-        if not (all_ok and same):
+        if not same:
             channel.close()
             raise ValueError(
-                "trainer and engine disagree on the weight-transfer wire parameters "
-                f"(engine: protocol {init_info.protocol_version}, packed={init_info.packed}, "
-                f"bucket={init_info.packed_buffer_size_bytes}, "
-                f"buffers={init_info.packed_num_buffers}); re-run trainer_init"
+                "trainer and engine disagree on the weight-transfer protocol or wire "
+                f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
             )
-        self._before_init()
-        self.channel = channel
-        self._after_init(init_info)
+        self.session.cancel("init_weight_transfer_engine was called during it")
+        self._disconnect()
+        self.channel, self.init_info = channel, init_info
+        self.session.configure(
+            init_info.on_failure,
+            init_info.delta,
+            (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
+        )
         logger.info(
             "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
             rank,
@@ -197,42 +158,64 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
             init_info.packed_num_buffers,
         )
 
-    # -- transport hooks ---------------------------------------------------------------
-    def _connected(self) -> bool:
-        return self.channel is not None and not self.channel.broken
+    def parse_init_info(self, init_dict):
+        return parse_wire(self.init_info_cls, init_dict)
 
-    def _agree(self, refusal, specs, update_info) -> str | None:
-        channel, sig = self.channel, update_signature(specs) if specs else 0
-        # An earlier refusal is pending (nobody joined its handshake in time). A trainer's
-        # update meets it: this call is that update's, and the trainer was told "refused".
-        # A refusal settles one that is already met too, so a hand-written call that lands
-        # between the trainer's handshake and the trainer's own call cannot steal the answer.
-        settle = channel.deferred is not None and (refusal is None or channel.deferred_met())
-        if settle and not channel.settle_deferred("a refused update's handshake"):
-            self._owe_stale = True
+    def parse_update_info(self, update_dict):
+        return parse_wire(self.update_info_cls, update_dict)
+
+    def start_weight_update(self) -> None:
+        self._require_connected()
+        self.session.start()
+
+    def finish_weight_update(self) -> None:
+        self.session.finish()
+
+    def update_weights(self, update_info) -> None:
+        """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
+        try:
+            super().update_weights(update_info)
+        except Exception as e:
+            raise update_failed(self.session, e) from e
+
+    def receive_weights(self, update_info: AscendRLHCCLWeightTransferUpdateInfo, **legacy):
+        check_receive_call(legacy)
+        self._require_connected()
+        self.session.receive(update_info.weight_version, update_info.delta_version)
+        verdict, reason, specs = vet_update(self, update_info, self.init_info)
+        plan = plan_for(self.init_info, specs, DIRECT_BYTES)
+        self._agree(verdict, reason, plan)
+        load_buckets(self.session, self._buckets(plan), specs, self._disconnect)
+
+    def shutdown(self) -> None:
+        self.session.cancel("the weight transfer engine was shut down")
+        self._disconnect()
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Give back the receive pool (e.g. before the engine sleeps)."""
+        self.session.pool.release()
+
+    def _require_connected(self) -> None:
+        if self.channel is None or self.channel.broken:
+            raise RuntimeError(
+                f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
+            )
+
+    def _agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info=None) -> None:
+        """The update handshake; raises unless every rank goes ahead with the same plan."""
+        try:
+            outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
+        except ChannelError as e:
+            self._disconnect()  # first: nothing may wait behind a collective on a dead peer
+            if reason is not None:  # an update_weights no trainer takes part in
+                raise WeightUpdateRefused(f"{reason} (and no trainer joined: {e})") from e
+            raise TransferFailed(f"the trainer did not join the update: {e}") from e
+        refusal = refused(*outcome, reason)
         if refusal is not None:
-            if not self._owe_stale:  # else the trainer is not in this handshake
-                channel.refuse(sig, "update handshake", REFUSAL_GRACE_S)
-            if channel.broken:  # NPU: the refusal could not stay pending
-                self._disconnect()
-                return (
-                    f"{refusal}; {channel.broken}, so the connection was closed: call "
-                    "init_weight_transfer_engine again"
-                )
-            return str(refusal)
-        if self._owe_stale:
-            self._owe_stale = False
-            return STALE_HANDSHAKE
-        all_ok, same = channel.agree(True, sig, "update handshake")
-        if all_ok and same:
-            return None
-        return (
-            "the trainer aborted it"
-            if not all_ok
-            else "the trainer's metadata differs from update_info"
-        )
+            raise refusal
 
-    def _buckets(self, plan: list[Bucket], update_info):
+    def _buckets(self, plan: list[Bucket]):
         """Bucket i+1.. are in flight while bucket i is loaded. A bucket larger than the
         agreed bucket size (a tensor sent alone) travels in pieces of that size, assembled in
         host memory, so no receive buffer on the device is larger than a bucket."""
@@ -242,7 +225,7 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
             whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
             for start, n in pieces(bucket.nbytes, piece):
                 # Never a buffer whose views layerwise reload still holds (see ReceivePool).
-                buf = self.pool.take(n)
+                buf = self.session.pool.take(n)
                 in_flight.append((bucket, buf, self.channel.broadcast(buf), whole, start))
                 if len(in_flight) >= depth:
                     yield from self._landed(*in_flight.popleft())
@@ -259,143 +242,10 @@ class AscendRLHCCLWeightTransferEngine(CheckpointEngine):
             yield bucket, whole
 
     def _disconnect(self) -> None:
-        self._owe_stale = False
         channel, self.channel = self.channel, None
         if channel is None:
             return
-        if channel.broken or channel.deferred is not None:  # a collective may stay queued
+        if channel.broken:  # a collective may stay queued on the device
             deadline = time.monotonic() + exec_timeout_s(channel.timeout_s)
-            self.device_busy_until = max(self.device_busy_until, deadline)
+            self.session.device_busy_until = max(self.session.device_busy_until, deadline)
         channel.close()
-
-
-class AscendRLHCCLTrainerWeightTransferEngine(CheckpointTrainer):
-    """Trainer side. Rank 0 drives start/update/finish over ``client`` and broadcasts;
-    other trainer ranks only iterate the source (its gathers are collectives)."""
-
-    init_info_cls = HCCLTrainerInitInfo
-    alone_bytes = DIRECT_BYTES
-
-    def __init__(
-        self,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource,
-        init_info: HCCLTrainerInitInfo,
-        device=None,
-    ) -> None:
-        super().__init__(client=client, source=source, init_info=init_info, device=device)
-        self.channel: BroadcastChannel | None = None
-        self._staging: list[torch.Tensor] = []
-
-    transport: ClassVar[str] = "HCCL"
-
-    def _connect(self) -> None:
-        if not self.is_sender:  # the group is the sender and the engine workers
-            return
-        info = self.init_info
-        check_world_size(self.client, info.world_size)
-        worker_info = AscendRLHCCLWeightTransferInitInfo(
-            master_address=info.master_address,
-            master_port=info.master_port,
-            world_size=info.world_size,
-            **engine_wire(info),
-        )
-        # The engine blocks in /init_weight_transfer_engine until the group forms, and rank 0
-        # (us) hosts the rendezvous: both must run at once, and either may fail first.
-        init_call = BackgroundCall(
-            "init_weight_transfer_engine",
-            self.client.init_weight_transfer_engine,
-            asdict(worker_info),
-        )
-        opening = BackgroundCall(
-            "rendezvous",
-            BroadcastChannel.open,
-            self.hw,
-            info.master_address,
-            info.master_port,
-            0,
-            info.world_size,
-            info.timeout_s,
-        )
-        while not opening.wait(0.05):  # BroadcastChannel.open gives up after timeout_s
-            init_call.raise_if_failed()
-        channel = opening.result(0)
-        try:
-            all_ok, same = channel.agree(
-                True, wire_signature(info), "init handshake", init_call.raise_if_failed
-            )
-            if not (all_ok and same):
-                raise WeightSyncError(
-                    f"engine rejected the wire parameters: {init_call.failure(info.timeout_s)}"
-                )
-            init_call.result(info.timeout_s)
-        except Exception:
-            channel.close()
-            raise
-        self.channel = channel
-
-    # -- transport hooks ---------------------------------------------------------------
-    def _not_ready(self) -> str | None:
-        if self.channel is None:
-            return "not connected"
-        return self.channel.broken
-
-    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
-        return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
-
-    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
-        all_ok, same = self.channel.agree(
-            True, update_signature(specs), "update handshake", update.raise_if_failed
-        )
-        return all_ok and same
-
-    def _send(self, plan: list[Bucket], pairs, update: BackgroundCall, bar: Progress) -> None:
-        channel, depth = self.channel, self.init_info.packed_num_buffers
-        piece = self.init_info.packed_buffer_size_bytes
-        staging = self._staging_buffers(plan, depth)
-        in_flight: deque = deque()  # (bucket, work, the bytes it sends, staging slot or None)
-        poll = update.raise_if_failed
-
-        def oldest_done() -> None:
-            bucket, work, sent, _ = in_flight.popleft()
-            channel.wait(work, f"sending bucket {bucket.index}", poll)
-            bar.update(sent.numel())
-
-        for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
-            slot = None if bucket.oversized else i % depth
-            if slot is None:  # from itself (a delta's host-side indices go to the device)
-                send = as_bytes(tensors[0].to(self.hw.torch_device()))
-            else:
-                while any(entry[3] == slot for entry in in_flight):  # free before reuse
-                    oldest_done()
-                send = staging[slot][: bucket.nbytes]
-                # No synchronize: the collective's stream waits for the current stream,
-                # where the pack was queued (torch_npu ProcessGroupHCCL.cpp:267-279), and a
-                # device-wide sync would also wait for the broadcast in flight.
-                pack_into(send, bucket, tensors, self.hw.copy_bytes)
-            for start, n in pieces(bucket.nbytes, piece):
-                if len(in_flight) >= depth:
-                    oldest_done()
-                part = send[start : start + n]
-                in_flight.append((bucket, channel.broadcast(part), part, slot))
-        while in_flight:
-            oldest_done()
-
-    def _staging_buffers(self, plan: list[Bucket], depth: int) -> list[torch.Tensor]:
-        need = max((b.nbytes for b in plan if not b.oversized), default=0)
-        if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
-            self._staging = [
-                torch.empty(need, dtype=torch.uint8, device=self.hw.torch_device())
-                for _ in range(depth)
-            ]
-        return self._staging
-
-    def _abort(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-
-    def shutdown(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None

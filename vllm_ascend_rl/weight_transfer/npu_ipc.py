@@ -1,7 +1,7 @@
 """NPU-IPC weight transfer for trainers colocated with the engine on the same chips.
 
 No weight crosses a wire. Every trainer rank owns a small ring of staging buffers on its own
-chip (``packed_num_buffers`` of them, each large enough for the largest bucket), exported once as
+chip (``packed_num_buffers`` of them, each the size of a bucket), exported once as
 device IPC handles (on CPU hosts: POSIX shared memory, mode 0600, random names; each engine
 worker and trainer rank emulates a chip of its own). The sender ships ``{chip: handles}``, as
 vLLM's and vllm-ascend's IPC engines gather handles per device, and every engine worker maps
@@ -26,29 +26,42 @@ ranks when there is more than one)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import field
+from typing import Annotated, Any, ClassVar
 
 import torch
+from pydantic import Field
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
+    WeightTransferEngine,
     WeightTransferInitInfo,
 )
 
 from vllm_ascend_rl._registration import NPU_IPC_BACKEND
-from vllm_ascend_rl.device import ImportedBuffer, IpcHandleError
+from vllm_ascend_rl.compat import EngineCompat
+from vllm_ascend_rl.device import ImportedBuffer, IpcHandleError, worker_index
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
-from vllm_ascend_rl.weight_transfer.engine_base import CheckpointEngine
+from vllm_ascend_rl.weight_transfer.engine_side import (
+    check_receive_call,
+    engine_setup,
+    load_buckets,
+    refused,
+    update_failed,
+    vet_update,
+)
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
-    DEFAULT_ON_FAILURE,
-    DEFAULT_TIMEOUT_S,
-    DEFAULT_VALIDATION,
-    PROTOCOL_VERSION,
+    BucketBytes,
     CheckpointUpdateInfo,
-    check_wire,
+    NumBuffers,
+    Verdict,
+    WireParams,
+    parse_wire,
+    plan_for,
+    plan_signature,
+    wire_dataclass,
     wire_signature,
 )
 
@@ -60,54 +73,30 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 DEFAULT_NUM_BUFFERS = 4
 
 
-@dataclass(kw_only=True)
-class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo):
-    """Engine-side init info; the trainer fills it in."""
-
-    doorbells: dict[str, str]  # chip -> the doorbell of the trainer rank on that chip
-    zero_copy: bool = True  # load from the staging buffer; False copies each bucket out
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
-    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
-    protocol_version: int = PROTOCOL_VERSION
-
-    def __post_init__(self) -> None:
-        check_wire(self)
-        if not (
-            isinstance(self.doorbells, dict)
-            and self.doorbells
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in self.doorbells.items())
-        ):
-            raise ValueError(
-                f"doorbells must map chips to the trainer ranks' socket names, got "
-                f"{self.doorbells!r}"
-            )
-
-
-@dataclass
-class NPUIPCTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info: ``rank`` (keyword-only; 0 sends), ``packed``, bucket bytes.
-    Every trainer rank owns a ring on its own chip."""
+@wire_dataclass
+class NPUIPCTrainerInitInfo(TrainerInitInfo, WireParams):
+    """Trainer-side init info: ``rank`` (0 sends) and the wire parameters; every trainer rank
+    owns a ring on its own chip. ``zero_copy``: the engine loads straight from the ring
+    instead of copying each bucket out first (chosen here, never changed during a run)."""
 
     backend: ClassVar[str] = NPU_IPC_BACKEND
 
-    packed: bool = True
-    packed_buffer_size_bytes: int = DEFAULT_BUCKET_BYTES
-    packed_num_buffers: int = DEFAULT_NUM_BUFFERS
-    timeout_s: float = DEFAULT_TIMEOUT_S
-    on_failure: str = DEFAULT_ON_FAILURE  # "restore" or "hold": docs/failure-semantics.md
-    validation: str = DEFAULT_VALIDATION  # "partial" or "complete": docs/failure-semantics.md
-    delta: bool = False  # changed elements only (a host copy each side): docs/weight-transfer.md
-
-    def __post_init__(self) -> None:
-        check_wire(self)
+    packed_buffer_size_bytes: BucketBytes = DEFAULT_BUCKET_BYTES
+    packed_num_buffers: NumBuffers = DEFAULT_NUM_BUFFERS
+    zero_copy: bool = True
 
 
-@dataclass
+@wire_dataclass
+class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo, WireParams):
+    """Engine-side init info; the trainer fills it in."""
+
+    doorbells: Annotated[dict[str, str], Field(min_length=1)]  # chip -> that rank's doorbell
+    packed_buffer_size_bytes: BucketBytes = DEFAULT_BUCKET_BYTES
+    packed_num_buffers: NumBuffers = DEFAULT_NUM_BUFFERS
+    zero_copy: bool = True
+
+
+@wire_dataclass
 class AscendRLNPUIPCWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """Metadata plus the staging buffers' handles per chip, as plain JSON."""
 
@@ -117,22 +106,29 @@ class AscendRLNPUIPCWeightTransferUpdateInfo(CheckpointUpdateInfo):
     update_id: int = 0
 
 
-class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
-    """Engine (worker) side: maps the trainer's staging buffers once, copies buckets out."""
+class AscendRLNPUIPCWeightTransferEngine(
+    EngineCompat,
+    WeightTransferEngine[
+        AscendRLNPUIPCWeightTransferInitInfo, AscendRLNPUIPCWeightTransferUpdateInfo
+    ],
+):
+    """Engine (worker) side: maps the trainer's staging buffers once, loads bucket by bucket."""
 
     init_info_cls = AscendRLNPUIPCWeightTransferInitInfo
     update_info_cls = AscendRLNPUIPCWeightTransferUpdateInfo
+    supports_draft_weight_update = False  # vetted against, and loaded into, the target model
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
+        self.hw, self.session = engine_setup(self, device)
+        self.init_info: AscendRLNPUIPCWeightTransferInitInfo | None = None
         self.doorbell: Doorbell | None = None
         self._mapped: dict[str, ImportedBuffer] = {}  # handle id -> mapping, imported once
         self._idle: dict[int, int | None] = {}  # id(mapping) -> storage use count when unused
         self._ring: list[ImportedBuffer] = []
 
     def init_transfer_engine(self, init_info: AscendRLNPUIPCWeightTransferInitInfo) -> None:
-        self._check_init(init_info)
-        rank, here = self.worker_index, self.hw.location()
+        rank, here = worker_index(self.parallel_config), self.hw.location()
         address = init_info.doorbells.get(here["chip"])
         if address is None:
             raise IpcHandleError(
@@ -141,12 +137,7 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
                 "every chip that hosts an engine worker; use the hccl backend otherwise."
             )
         doorbell = Doorbell.connect(address, init_info.timeout_s)
-        doorbell.send(
-            hello=rank,
-            protocol=init_info.protocol_version,
-            wire=wire_signature(init_info),
-            location=here,
-        )
+        doorbell.send(hello=rank, wire=wire_signature(init_info, None), location=here)
         try:
             reply = doorbell.recv("init handshake")
         except Exception:
@@ -155,33 +146,85 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
         if not reply.get("welcome"):
             doorbell.close()
             raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
-        self._before_init()  # only now: a failed init leaves the live connection alone
-        self.doorbell = doorbell
-        self._after_init(init_info)
+        # Only now: a failed init leaves the live connection alone.
+        self.session.cancel("init_weight_transfer_engine was called during it")
+        self._disconnect()
+        self.doorbell, self.init_info = doorbell, init_info
+        self.session.configure(
+            init_info.on_failure,
+            init_info.delta,
+            (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
+        )
         logger.info(
-            "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d",
+            "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d, zero_copy=%s",
             rank,
             init_info.packed,
             init_info.packed_buffer_size_bytes >> 20,
             init_info.packed_num_buffers,
+            init_info.zero_copy,
         )
 
-    # -- transport hooks ---------------------------------------------------------------
-    def _connected(self) -> bool:
-        return self.doorbell is not None and not self.doorbell.broken
+    def parse_init_info(self, init_dict):
+        return parse_wire(self.init_info_cls, init_dict)
 
-    def _agree(self, refusal, specs, update_info) -> str | None:
-        reason = str(refusal) if refusal is not None else None
-        if reason is None:
+    def parse_update_info(self, update_dict):
+        return parse_wire(self.update_info_cls, update_dict)
+
+    def start_weight_update(self) -> None:
+        self._require_connected()
+        self.session.start()
+
+    def finish_weight_update(self) -> None:
+        self.session.finish()
+
+    def update_weights(self, update_info) -> None:
+        """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
+        try:
+            super().update_weights(update_info)
+        except Exception as e:
+            raise update_failed(self.session, e) from e
+
+    def receive_weights(self, update_info: AscendRLNPUIPCWeightTransferUpdateInfo, **legacy):
+        check_receive_call(legacy)
+        self._require_connected()
+        self.session.receive(update_info.weight_version, update_info.delta_version)
+        verdict, reason, specs = vet_update(self, update_info, self.init_info)
+        plan = plan_for(self.init_info, specs, None)
+        self._agree(verdict, reason, plan, update_info)
+        load_buckets(self.session, self._buckets(plan), specs, self._disconnect)
+
+    def shutdown(self) -> None:
+        self.session.cancel("the weight transfer engine was shut down")
+        self._disconnect()
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Give back the receive pool (e.g. before the engine sleeps)."""
+        self.session.pool.release()
+
+    def _require_connected(self) -> None:
+        if self.doorbell is None or self.doorbell.broken:
+            raise RuntimeError(
+                f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
+            )
+
+    def _agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info) -> None:
+        """The update handshake over the doorbell: this worker's verdict (after mapping the
+        ring) and plan go to its trainer rank, which answers with everyone's verdict."""
+        if verdict == Verdict.GO:
             try:
-                self._map(update_info.buffers, self._plan(specs))
+                self._map(info.buffers, plan)
             except IpcHandleError as e:
-                reason = str(e)
-        self.doorbell.send(ready=update_info.update_id, ok=reason is None, error=reason)
-        if reason is not None:
-            return reason
-        go = self.doorbell.expect("go", update_info.update_id, "update handshake")
-        return None if go.get("ok") else f"another worker refused it: {go.get('reason')}"
+                verdict, reason = Verdict.REFUSED, str(e)
+        self.doorbell.send(
+            ready=info.update_id, verdict=int(verdict), plan=plan_signature(plan), error=reason
+        )
+        if verdict != Verdict.GO:
+            raise refused(verdict, True, reason)
+        go = self.doorbell.expect("go", info.update_id, "update handshake")
+        refusal = refused(go["verdict"], True, go.get("reason") or "another worker refused it")
+        if refusal is not None:
+            raise refusal
 
     def _map(self, buffers: Any, plan: list[Bucket]) -> None:
         """Map the ring of staging buffers on this worker's chip, reusing cached mappings
@@ -218,7 +261,7 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
             raise IpcHandleError(f"staging buffers hold {small} bytes but a bucket needs {need}")
         self._ring = ring
 
-    def _buckets(self, plan: list[Bucket], update_info):
+    def _buckets(self, plan: list[Bucket]):
         """Piece k of the update is in ring slot k % len(ring). A bucket larger than a slot
         (one tensor) arrives in slot-sized pieces, assembled in host memory."""
         doorbell, ring, piece = self.doorbell, self._ring, self.init_info.packed_buffer_size_bytes
@@ -240,7 +283,7 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
                     self._hand_back(slot)
                     doorbell.send(done=bucket.index)
                 else:
-                    out = self.pool.take(n)
+                    out = self.session.pool.take(n)
                     self.hw.copy_bytes(out, slot.tensor[:n])
                     self.hw.synchronize()
                     doorbell.send(done=bucket.index)
@@ -250,13 +293,12 @@ class AscendRLNPUIPCWeightTransferEngine(CheckpointEngine):
 
     def _hand_back(self, staging: ImportedBuffer) -> None:
         """A zero-copy bucket is loaded: nothing may still refer to the trainer's buffer."""
-        self.reload.evacuate(staging.tensor)
+        self.session.reload.evacuate(staging.tensor)
         self.hw.synchronize()
         if storage_use_count(staging.tensor) != self._idle[id(staging)]:
-            self.init_info.zero_copy = False  # the next update copies every bucket
             raise RuntimeError(
-                "a loaded tensor still refers to the trainer's staging buffer; this engine "
-                "switched to copying buckets out, retry the update"
+                "a loaded tensor still refers to the trainer's staging buffer: this model's "
+                "loader keeps what it is given, so init with zero_copy=False"
             )
 
     def _disconnect(self) -> None:

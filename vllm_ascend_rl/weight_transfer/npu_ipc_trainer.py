@@ -25,11 +25,15 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, ClassVar
+from typing import Any, Self
 
-from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
 
-from vllm_ascend_rl.device import ExportedBuffer
+from vllm_ascend_rl.device import ExportedBuffer, current_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -40,6 +44,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
+from vllm_ascend_rl.weight_transfer.delta import TrainerBase
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
@@ -48,13 +53,16 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 )
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
-    CheckpointTrainer,
+    Pairs,
     Progress,
+    SyncResult,
     WeightSyncError,
+    send_update,
 )
 from vllm_ascend_rl.weight_transfer.wire import (
-    PROTOCOL_VERSION,
-    engine_wire,
+    Verdict,
+    plan_signature,
+    wire_params,
     wire_signature,
 )
 
@@ -83,7 +91,7 @@ def welcome(doorbell: Doorbell, hello: dict, info, here: dict) -> bool:
     """Answer an engine worker's hello: accepted only on the same protocol, wire parameters
     and chip as this trainer rank."""
     error = None
-    if hello.get("protocol") != PROTOCOL_VERSION or hello.get("wire") != wire_signature(info):
+    if hello.get("wire") != wire_signature(info, None):
         error = f"trainer and engine disagree on protocol or wire parameters: {hello}"
     elif hello.get("location") != here:
         where = hello.get("location") or {}
@@ -133,12 +141,13 @@ class Acceptor:
         self.listener.close()
 
 
-class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
-    """Trainer side: every rank owns a ring on its chip and the doorbells of its chip's
-    workers; rank 0 also drives the update over HTTP and coordinates the other ranks."""
+class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
+    """Trainer side (:class:`~.trainer_side.Transport`): every rank owns a ring on its chip and
+    the doorbells of its chip's workers; rank 0 also drives the update over HTTP and
+    coordinates the other ranks."""
 
     init_info_cls = NPUIPCTrainerInitInfo
-    transport: ClassVar[str] = "NPU-IPC"
+    alone_bytes = None  # a tensor larger than a bucket goes through the ring in pieces
 
     def __init__(
         self,
@@ -146,9 +155,12 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         client: VLLMWeightSyncClient,
         source: WeightSource,
         init_info: NPUIPCTrainerInitInfo,
-        device=None,
     ) -> None:
-        super().__init__(client=client, source=source, init_info=init_info, device=device)
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.base = TrainerBase() if init_info.delta and self.is_sender else None
+        # Read once, here (the current device is per thread on NPU); a CPU rank emulates a chip.
+        self.hw = current_device(cpu_chip=init_info.rank)
         self.doorbells: list[Doorbell] = []  # this rank's engine workers
         self.peers: list[Doorbell] = []  # sender: the other ranks; others: the sender
         self.ring: list[ExportedBuffer] = []
@@ -157,6 +169,27 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
         # Unlink and unmap the staging buffers when this engine goes away or the trainer
         # exits, whichever comes first.
         self._finalizer = weakref.finalize(self, _release, self.ring)
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: NPUIPCTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError("NPU-IPC weight transfer needs a WeightSource (e.g. ModuleSource)")
+        engine = cls(client=client, source=source, init_info=init_info)
+        engine._connect()  # every rank: its ring's doorbell, and the sender's link
+        return engine
+
+    def send_weights(
+        self, weight_version: str | None = None, progress: bool | None = None
+    ) -> SyncResult:
+        """Push every weight of the source into the engine (on every rank): start, update,
+        finish. Returns bytes, seconds and GB/s; ``weight_version`` tags subsequent outputs."""
+        return send_update(self, weight_version, progress)
 
     # -- connection -------------------------------------------------------------------
     def _connect(self) -> None:
@@ -175,7 +208,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             raise ValueError("delta=True needs a single NPU-IPC trainer rank for now")
         worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
-            **engine_wire(info),
+            **wire_params(info),
         )
         acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
         try:
@@ -231,13 +264,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             raise WeightSyncError(f"init_weight_transfer_engine failed: {done.get('error')}")
         sender.send(workers=True, count=len(acceptor.workers))
 
-    # -- one update: the sender's hooks -------------------------------------------------
-    def _not_ready(self) -> str | None:
+    # -- one update: the sender's steps (send_update) ----------------------------------
+    def not_ready(self) -> str | None:
         if not self.doorbells and not self.peers:
             return "not connected"
         return next((d.broken for d in [*self.doorbells, *self.peers] if d.broken), None)
 
-    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
         self.update_id += 1
         for peer in self.peers:
             peer.send(update=self.update_id)
@@ -251,33 +284,32 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             "update_id": self.update_id,
         }
 
-    def _cancel(self, reason: str) -> None:
+    def cancel(self, reason: str) -> None:
         for peer in self.peers:
             peer.send(cancel=self.update_id, reason=reason)
 
-    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
-        replies = self._ready(update.raise_if_failed)
+    def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
+        replies = self._ready(plan, update.raise_if_failed)
         # No poll on the update call here: a worker that refused fails it at once, and the
         # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
         verdicts = [p.expect("ready", self.update_id, "update handshake") for p in self.peers]
-        ok = all(r.get("ok") for r in [*replies, *verdicts])
-        reason = next((r.get("error") for r in [*replies, *verdicts] if not r.get("ok")), None)
+        verdict, reason = _lowest([*replies, *verdicts])
         for peer in self.peers:
-            peer.send(go=self.update_id, ok=ok, reason=reason)
-        self._go(replies, ok, reason)
-        return ok
+            peer.send(go=self.update_id, verdict=int(verdict), reason=reason)
+        self._go(replies, verdict, reason)
+        return verdict
 
-    def _send(self, plan: list[Bucket], pairs, update: BackgroundCall, bar: Progress) -> None:
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
         poll = update.raise_if_failed
         self._stream(plan, pairs, poll, bar)
         for peer in self.peers:
             peer.expect("sent", self.update_id, "waiting for the other trainer ranks", poll)
 
-    def _succeeded(self) -> None:
+    def succeeded(self) -> None:
         for buf in self.ring:  # every worker has mapped them: take the names off /dev/shm
             buf.unlink()
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         for d in [*self.doorbells, *self.peers]:
             try:
                 d.send(abort="the trainer gave up this update")
@@ -286,8 +318,8 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
-    def _follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        reason = self._not_ready()
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        reason = self.not_ready()
         if reason:
             raise WeightSyncError(
                 f"weight transfer is not usable ({reason}): call trainer_init again"
@@ -297,20 +329,19 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             self.update_id = self._next_update(sender)
             sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
             watch = self._watch(sender)
-            replies = self._ready(watch)
-            ok = all(r.get("ok") for r in replies)
-            error = next((r.get("error") for r in replies if not r.get("ok")), None)
-            sender.send(ready=self.update_id, ok=ok, error=error)
+            replies = self._ready(plan, watch)
+            verdict, reason = _lowest(replies)
+            sender.send(ready=self.update_id, verdict=int(verdict), error=reason)
             go = sender.expect("go", self.update_id, "waiting for the sender's verdict")
-            self._go(replies, bool(go.get("ok")), go.get("reason"))
-            if not go.get("ok"):
+            self._go(replies, Verdict(go["verdict"]), go.get("reason"))
+            if go["verdict"] != Verdict.GO:
                 return
             self._stream(plan, iter(self.source), watch, Progress(0, False, ""))
             sender.send(sent=self.update_id)
         except _Cancelled:
             return
         except BaseException:
-            self._abort()
+            self.abort()
             raise
 
     def _next_update(self, sender: Doorbell) -> int:
@@ -343,16 +374,21 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(CheckpointTrainer):
             )
         return [b.handle for b in self.ring]
 
-    def _ready(self, poll: Poll) -> list[dict]:
-        return [
-            d.expect("ready", self.update_id, "update handshake", poll, _stale_refusal)
-            for d in self.doorbells
+    def _ready(self, plan: list[Bucket], poll: Poll) -> list[dict]:
+        """This rank's workers' verdicts; one that planned otherwise refuses."""
+        replies = [
+            d.expect("ready", self.update_id, "update handshake", poll) for d in self.doorbells
         ]
+        sig = plan_signature(plan)
+        for r in replies:
+            if r.get("verdict") == Verdict.GO and r.get("plan") != sig:
+                r.update(verdict=int(Verdict.REFUSED), error="the worker planned other buckets")
+        return replies
 
-    def _go(self, replies: list[dict], ok: bool, reason: str | None) -> None:
+    def _go(self, replies: list[dict], verdict: Verdict, reason: str | None) -> None:
         for d, r in zip(self.doorbells, replies, strict=True):
-            if r.get("ok"):  # a worker that refused is not waiting for a verdict
-                d.send(go=self.update_id, ok=ok, reason=reason)
+            if r.get("verdict") == Verdict.GO:  # a worker that refused waits for no verdict
+                d.send(go=self.update_id, verdict=int(verdict), reason=reason)
 
     def _stream(self, plan: list[Bucket], pairs, poll: Poll, bar: Progress) -> None:
         """Copy every bucket into the next slot of this rank's ring and ring this rank's
@@ -397,10 +433,8 @@ class _Cancelled(Exception):
     """The sender cancelled this update before any engine worker saw it."""
 
 
-def _stale_refusal(msg: dict) -> bool:
-    """A worker's refusal of an update_weights that this trainer never sent (a hand-written
-    call: the worker answered at once, and nobody read it)."""
-    stale = "ready" in msg and not msg.get("ok")
-    if stale:
-        logger.warning("dropping a refusal of an update this trainer did not send: %s", msg)
-    return stale
+def _lowest(replies: list[dict]) -> tuple[Verdict, str | None]:
+    """The lowest verdict among ``replies`` and the first refusal's reason."""
+    verdict = min((Verdict(r["verdict"]) for r in replies), default=Verdict.GO)
+    reason = next((r.get("error") for r in replies if r["verdict"] != Verdict.GO), None)
+    return verdict, reason

@@ -1,9 +1,12 @@
-"""Trainer-side pieces shared by the HCCL and NPU-IPC engines.
+"""Trainer-side functions both transports use: one update, from ``send_weights`` to
+``finish_weight_update``.
 
-The control plane is vLLM's ``VLLMWeightSyncClient`` (usually ``HTTPVLLMWeightSyncClient``).
-Calls that block while the data plane runs go to daemon threads (a stuck HTTP call must never
-keep the trainer process alive), and HTTP errors are re-raised with the server's own message,
-which ``raise_for_status`` would drop.
+A trainer engine (``hccl_trainer.py``, ``npu_ipc_trainer.py``) implements vLLM's
+``TrainerWeightTransferEngine`` itself; its ``send_weights`` is :func:`send_update` over the
+transport's own steps (:class:`Transport`). The control plane is vLLM's
+``VLLMWeightSyncClient`` (usually ``HTTPVLLMWeightSyncClient``). Calls that block while the data
+plane runs go to daemon threads (a stuck HTTP call must never keep the trainer process alive),
+and HTTP errors are re-raised with the server's own message, which ``raise_for_status`` drops.
 """
 
 from __future__ import annotations
@@ -11,25 +14,18 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, Protocol
 
-from vllm.distributed.weight_transfer.base import (
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
-from vllm_ascend_rl.device import Device, current_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
-from vllm_ascend_rl.weight_transfer.channel import STALE_HANDSHAKE, ChannelError
-from vllm_ascend_rl.weight_transfer.delta import STALE_BASE, DeltaPlan, TrainerBase, wire_specs
+from vllm_ascend_rl.weight_transfer.channel import ChannelError
+from vllm_ascend_rl.weight_transfer.delta import DeltaPlan, TrainerBase, wire_specs
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
-from vllm_ascend_rl.weight_transfer.probe import TrainerTransportProbe
-from vllm_ascend_rl.weight_transfer.wire import plan_for
+from vllm_ascend_rl.weight_transfer.wire import Verdict, WireParams, plan_for
 
 logger = get_logger(__name__)
 Pairs = Iterator[tuple[str, Any]]
@@ -37,6 +33,10 @@ Pairs = Iterator[tuple[str, Any]]
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed; the message says which side failed and why."""
+
+
+class StaleBase(WeightSyncError):
+    """The engine does not hold the delta base the update referred to (Verdict.STALE_BASE)."""
 
 
 # Failures of the connection itself (as opposed to bugs in the caller's weight source).
@@ -60,16 +60,11 @@ class SyncResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-# The worker refuses a second start while one is open: vLLM v1/worker/gpu_worker.py
-# _start_weight_update (0.27.1 and 0.32), vllm-ascend worker/worker.py:303 (182b75e).
-ABANDONED_UPDATE = "start_weight_update called while a weight update is already active"
-
 NOT_PAUSED = (
     "the engine is not paused: pause it before send_weights (/pause, "
     "EngineControlClient.pause) and resume after. A forward pass during an update would run "
     "on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; vllm-ascend's "
-    "ACL graphs) no hook can stop it. Or init with on_failure='hold', which holds generation "
-    "in the plugin scheduler while an update is open. Nothing was sent."
+    "ACL graphs) no hook can stop it. Nothing was sent."
 )
 
 
@@ -206,247 +201,181 @@ class Progress:
         return time.perf_counter() - self.start
 
 
-class CheckpointTrainer(TrainerTransportProbe, TrainerWeightTransferEngine):
-    """Trainer-side template shared by the HCCL and NPU-IPC engines.
+class Transport(Protocol):
+    """One trainer engine's transport, as :func:`send_update` drives it."""
 
-    ``send_weights`` drives ``start_weight_update``, ``update_weights`` (in a daemon thread,
-    since the engine blocks in it while the data moves) and ``finish_weight_update``. A
-    transport implements ``_connect``, ``_not_ready``, ``_payload``, ``_agree``, ``_send`` and
-    ``_abort``; a refusal in ``_agree`` leaves the connection usable, a failure after it does
-    not.
-    """
+    init_info: WireParams
+    client: VLLMWeightSyncClient
+    source: WeightSource
+    is_sender: bool
+    base: TrainerBase | None  # delta=True: what the engine holds
+    alone_bytes: int | None  # see plan_for
 
-    def __init__(
-        self,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource,
-        init_info,
-        device: Device | None = None,
-    ) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.init_info = init_info
-        # delta=True: what the engine holds, to send only what changed (see delta.py)
-        self.base = TrainerBase() if init_info.delta and init_info.is_sender else None
-        # Read once, here: on NPU the current device is per thread, and the rendezvous and
-        # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
-        self.hw = device or current_device(cpu_chip=init_info.rank)
-
-    transport: ClassVar[str] = "this"  # for messages
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError(
-                f"{cls.transport} weight transfer needs a WeightSource (e.g. ModuleSource)"
-            )
-        engine = cls(client=client, source=source, init_info=init_info)
-        engine._connect()
-        return engine
-
-    # -- transport hooks ---------------------------------------------------------------
-    @abstractmethod
-    def _connect(self) -> None:
-        """Set up the connections this rank needs (runs on every trainer rank; the sender
-        also issues ``init_weight_transfer_engine``)."""
-
-    alone_bytes: ClassVar[int | None] = None  # as on the engine side (plan_for)
-
-    def _plan(self, specs: list[TensorSpec]) -> list[Bucket]:
-        return plan_for(self.init_info, specs, self.alone_bytes)
-
-    @abstractmethod
-    def _not_ready(self) -> str | None:
+    def not_ready(self) -> str | None:
         """Why the connection cannot carry an update now, or None."""
 
-    @abstractmethod
-    def _payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict: ...
+    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+        """The transport's update_info fields for this update."""
 
-    @abstractmethod
-    def _agree(self, specs: list[TensorSpec], update: BackgroundCall) -> bool:
-        """True if every engine goes ahead; False if one refused (its reason is in
-        ``update``)."""
+    def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
+        """The lowest verdict of every engine worker (the update call runs in ``update``)."""
 
-    @abstractmethod
-    def _send(
-        self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress
-    ) -> None:
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
         """Send ``pairs`` (``(name, tensor)`` in plan order) bucket by bucket."""
 
-    @abstractmethod
-    def _abort(self) -> None:
+    def abort(self) -> None:
         """Give up the connection after a failure in the middle of an update."""
 
-    def _succeeded(self) -> None:
-        """Called after ``finish_weight_update`` returned."""
+    def succeeded(self) -> None:
+        """``finish_weight_update`` returned."""
 
-    def _cancel(self, reason: str) -> None:
-        """The sender gave up an update before any engine saw it (start_weight_update
-        failed); tell whoever waits for it."""
+    def cancel(self, reason: str) -> None:
+        """The update was given up before any engine saw it (start_weight_update failed)."""
 
-    def _follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """A non-sender rank's part of an update. By default it only iterates the source,
-        which keeps it in the source's gather collectives."""
-        for _ in self.source:
-            pass
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        """A non-sender rank's part of an update."""
 
-    # -- the update --------------------------------------------------------------------
-    def _require_paused(self) -> None:
-        """Refuse to open an update while the engine generates (unless ``hold``): the
-        engine's forward guard is a Python hook, which graph replay bypasses."""
-        if self.init_info.on_failure == "hold":
-            return
-        paused = engine_paused(self.client)
-        if paused is None:
-            logger.warning("cannot tell whether %s is paused: pause it first", self.engine_name)
-        elif not paused:
-            raise WeightSyncError(NOT_PAUSED)
 
-    def _start_update(self) -> None:
-        """``start_weight_update``; if vLLM's worker still counts an abandoned update as open
-        (a trainer died before ``finish_weight_update``), end that one first. Our engines'
-        finish applies an abandoned update only if all its weights arrived, and restores the
-        old weights otherwise, so the model is whole either way."""
-        try:
-            call("start_weight_update", self.client.start_weight_update)
-        except WeightSyncError as e:
-            if ABANDONED_UPDATE not in str(e):
-                raise
-            logger.warning("ending a weight update another trainer left open: %s", e)
-            call("finish_weight_update", self.client.finish_weight_update, None)
-            call("start_weight_update", self.client.start_weight_update)
+def source_specs(source: WeightSource) -> list[TensorSpec]:
+    return [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
 
-    def _open_update(self, specs: list[TensorSpec], payload: dict) -> BackgroundCall:
-        """start_weight_update, then update_weights (in the background) and the handshake.
-        Retried once if the handshake met an earlier refused call's (STALE_HANDSHAKE)."""
-        for attempt in (1, 2):
-            try:
-                self._require_paused()
-                self._start_update()
-            except WeightSyncError as e:
-                self._cancel(str(e))
-                raise
-            update = BackgroundCall("update_weights", self.client.update_weights, payload)
-            try:
-                go = self._agree(specs, update)
-            except TRANSPORT_ERRORS as e:
-                self._abort()
-                raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
-            if go:
-                return update
-            # Refused before any byte moved; the connection stays usable.
-            reason = update.failure(self.init_info.timeout_s)
-            if attempt == 1 and reason and STALE_HANDSHAKE in reason:
-                logger.warning("retrying the update: %s", reason)
-                continue
-            raise WeightSyncError(f"engine refused the update: {reason}")
-        raise AssertionError("unreachable")
 
-    @property
-    def engine_name(self) -> str:
-        """The engine this trainer feeds, for messages."""
-        url = getattr(self.client, "base_url", None)
-        return f"the engine at {url}" if url else f"the engine behind {type(self.client).__name__}"
+def engine_name(client: Any) -> str:
+    """The engine a client reaches, for messages."""
+    url = getattr(client, "base_url", None)
+    return f"the engine at {url}" if url else f"the engine behind {type(client).__name__}"
 
-    def send_weights(
-        self, weight_version: str | None = None, progress: bool | None = None
-    ) -> SyncResult:
-        """Push every weight of the source into the engine: start, update, finish.
 
-        Returns bytes, seconds and GB/s. ``weight_version`` is passed to
-        ``finish_weight_update`` and tags subsequent outputs. ``progress`` shows a byte
-        progress bar (default: for transfers of 512 MiB or more on a terminal). A failure
-        raises WeightSyncError naming the engine.
-        """
-        try:
-            return self._send_weights(weight_version, progress)
-        except WeightSyncError as e:
-            raise WeightSyncError(f"weight sync to {self.engine_name}: {e}") from e
+def send_update(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
+    """Push every weight of ``t.source`` into the engine: start, update, finish. A failure
+    raises WeightSyncError naming the engine."""
+    try:
+        return _send(t, weight_version, progress)
+    except WeightSyncError as e:
+        raise WeightSyncError(f"weight sync to {engine_name(t.client)}: {e}") from e
 
-    def _send_weights(self, weight_version: str | None, progress: bool | None) -> SyncResult:
-        assert self.source is not None
-        specs = [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in self.source.metadata()]
-        if not self.is_sender:
-            plan = self._plan(specs)
-            self._follow(specs, plan)
-            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
-        reason = self._not_ready()
-        if reason:
-            raise WeightSyncError(
-                f"weight transfer is not usable ({reason}): call trainer_init again"
-            )
-        started = time.perf_counter()
-        delta = None if self.base is None else self.base.encode(iter(self.source))
-        try:
-            return self._transfer(specs, delta, weight_version, progress, started)
-        except WeightSyncError as e:
-            if delta is None or delta.base_version is None or STALE_BASE not in str(e):
-                raise
-            # The engine's base is not ours (it restarted, or its weights were reloaded):
-            # refused before any byte moved; send every tensor whole once.
-            logger.warning("sending whole tensors: %s", e)
-            return self._transfer(specs, self.base.whole(delta), weight_version, progress, started)
 
-    def _rollback_base(self) -> None:
-        if self.base is not None:
-            self.base.rollback()
-
-    def _transfer(
-        self,
-        specs: list[TensorSpec],
-        delta: DeltaPlan | None,
-        weight_version: str | None,
-        progress: bool | None,
-        started: float,
-    ) -> SyncResult:
-        """One update of ``specs`` (whole, or as ``delta`` encoded them)."""
-        wire = specs if delta is None else wire_specs(specs, delta.nnz)
-        plan = self._plan(wire)
-        nbytes, timeout_s = total_bytes(wire), self.init_info.timeout_s
-        try:
-            payload = self._payload(specs, plan)  # before the engine opens an update
-            if weight_version is not None:
-                payload["weight_version"] = weight_version
-            if delta is not None:
-                payload.update(delta.payload)
-        except TRANSPORT_ERRORS as e:
-            self._abort()
-            raise WeightSyncError(f"preparing the update failed: {e}") from e
-        update = self._open_update(wire, payload)
-        bar = Progress(nbytes, progress, "weights -> engine")
-        try:
-            self._send(
-                plan, iter(self.source) if delta is None else delta.wire_pairs(), update, bar
-            )
-            transfer_s = bar.close()
-            if delta is not None:  # while the engine still loads; undone if it fails
-                self.base.apply(delta)
-            update.result(timeout_s)
-        except TRANSPORT_ERRORS as e:
-            self._abort()  # the engine notices at once instead of after its timeout
-            self._rollback_base()
-            reason = update.failure(min(timeout_s, 30.0))
-            raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
-        except BaseException:
-            self._abort()
-            self._rollback_base()
+def _send(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
+    specs = source_specs(t.source)
+    if not t.is_sender:
+        plan = plan_for(t.init_info, specs, t.alone_bytes)
+        t.follow(specs, plan)
+        return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
+    reason = t.not_ready()
+    if reason:
+        raise WeightSyncError(f"weight transfer is not usable ({reason}): call trainer_init again")
+    started = time.perf_counter()
+    delta = None if t.base is None else t.base.encode(iter(t.source))
+    try:
+        return _transfer(t, specs, delta, weight_version, progress, started)
+    except StaleBase as e:
+        if delta is None or delta.base_version is None:
             raise
-        finally:
-            bar.close()
-        try:
-            call("finish_weight_update", self.client.finish_weight_update, weight_version)
-        except BaseException:
-            self._rollback_base()
-            raise
-        self._succeeded()
+        # The engine's base is not ours (it restarted, or its weights were reloaded):
+        # refused before any byte moved; send every tensor whole once.
+        logger.warning("sending whole tensors: %s", e)
+        return _transfer(t, specs, t.base.whole(delta), weight_version, progress, started)
+
+
+def _transfer(
+    t: Transport,
+    specs: list[TensorSpec],
+    delta: DeltaPlan | None,
+    weight_version: str | None,
+    progress: bool | None,
+    started: float,
+) -> SyncResult:
+    """One update of ``specs`` (whole, or as ``delta`` encoded them)."""
+    wire = specs if delta is None else wire_specs(specs, delta.nnz)
+    plan = plan_for(t.init_info, wire, t.alone_bytes)
+    nbytes, timeout_s = total_bytes(wire), t.init_info.timeout_s
+    try:
+        payload = t.payload(specs, plan)  # before the engine opens an update
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
         if delta is not None:
-            self.base.commit()
-        return SyncResult(
-            nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
-        )
+            payload.update(delta.payload)
+    except TRANSPORT_ERRORS as e:
+        t.abort()
+        raise WeightSyncError(f"preparing the update failed: {e}") from e
+    update = _open_update(t, plan, payload)
+    bar = Progress(nbytes, progress, "weights -> engine")
+    try:
+        t.send(plan, iter(t.source) if delta is None else delta.wire_pairs(), update, bar)
+        transfer_s = bar.close()
+        if delta is not None:  # while the engine still loads; undone if it fails
+            t.base.apply(delta)
+        update.result(timeout_s)
+    except BaseException as e:
+        t.abort()  # the engine notices at once instead of after its timeout
+        _rollback(t)
+        if not isinstance(e, TRANSPORT_ERRORS):
+            raise
+        reason = update.failure(min(timeout_s, 30.0))
+        raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
+    finally:
+        bar.close()
+    try:
+        call("finish_weight_update", t.client.finish_weight_update, weight_version)
+    except BaseException:
+        _rollback(t)
+        raise
+    t.succeeded()
+    if delta is not None:
+        t.base.commit()
+    return SyncResult(
+        nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
+    )
+
+
+def _rollback(t: Transport) -> None:
+    if t.base is not None:
+        t.base.rollback()
+
+
+def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundCall:
+    """start_weight_update, then update_weights (in the background) and the handshake."""
+    try:
+        require_paused(t.client)
+        start_update(t.client)
+    except WeightSyncError as e:
+        t.cancel(str(e))
+        raise
+    update = BackgroundCall("update_weights", t.client.update_weights, payload)
+    try:
+        verdict = t.agree(plan, update)
+    except TRANSPORT_ERRORS as e:
+        t.abort()
+        raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
+    if verdict == Verdict.GO:
+        return update
+    # Refused before any byte moved; the connection stays usable.
+    reason = update.failure(t.init_info.timeout_s)
+    if verdict == Verdict.STALE_BASE:
+        raise StaleBase(reason or "the engine holds another delta base")
+    raise WeightSyncError(f"engine refused the update: {reason}")
+
+
+def require_paused(client: Any) -> None:
+    """Refuse to open an update while the engine generates: the engine's forward guard is a
+    Python hook, which graph replay bypasses."""
+    paused = engine_paused(client)
+    if paused is None:
+        logger.warning("cannot tell whether %s is paused: pause it first", engine_name(client))
+    elif not paused:
+        raise WeightSyncError(NOT_PAUSED)
+
+
+def start_update(client: Any) -> None:
+    """``start_weight_update``. If it fails because an update a dead trainer left open is still
+    counted as open by vLLM's worker, ending that one (our engines' finish restores the old
+    weights unless every weight of it arrived) succeeds, and the start is retried once."""
+    try:
+        call("start_weight_update", client.start_weight_update)
+    except WeightSyncError as refused:
+        try:
+            call("finish_weight_update", client.finish_weight_update, None)
+        except WeightSyncError:
+            raise refused from None  # nothing was left open: the start's own failure
+        logger.warning("ended a weight update another trainer left open: %s", refused)
+        call("start_weight_update", client.start_weight_update)

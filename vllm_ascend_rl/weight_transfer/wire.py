@@ -1,132 +1,168 @@
-"""The wire: what the trainer and the engine agree on.
+"""The wire: what a trainer and an engine agree on, defined once for both transports.
 
-The init-time wire parameters (checked once, signed by both sides), the bucket plan both sides
-derive from them, and one update's metadata. Shared by both transports, trainer side and
-engine side.
+- :class:`WireParams`: the parameters the trainer chooses at init, embedded in every init info
+  (trainer side and engine side), type-checked on construction and signed whole by both sides.
+- :class:`CheckpointUpdateInfo`: one update's metadata, type-checked on construction.
+- :class:`Verdict`: what each side answers in an update's handshake, as a code.
+- The bucket plan both sides derive from the agreed parameters, and its signature, which the
+  update handshake compares before any byte moves.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+import zlib
+from dataclasses import fields
+from enum import IntEnum
+from functools import cached_property, partial
+from typing import Annotated, Any, Literal
 
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
 
-from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, dtype_name, plan_buckets
-from vllm_ascend_rl.weight_transfer.channel import signature
-from vllm_ascend_rl.weight_transfer.fields import FieldError, check_field_types
-from vllm_ascend_rl.weight_transfer.validation import (
-    DEFAULT_VALIDATION,  # noqa: F401 (the transports take their defaults from here)
-    VALIDATION,
-    WeightUpdateRefused,
-    parse_specs,
+from vllm_ascend_rl.weight_transfer.buckets import (
+    ALIGN_BYTES,
+    Bucket,
+    TensorSpec,
+    dtype_name,
+    plan_buckets,
 )
+from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
-# 2: NPU-IPC rings per chip; 3: delta updates (the delta flag is signed); 4: HCCL sends a
-# bucket larger than the bucket size in pieces of that size; 5: so does NPU IPC, through ring
-# slots of at most the bucket size, piece k in slot k % len(ring)
-PROTOCOL_VERSION = 5
-DEFAULT_BUCKET_BYTES = 256 << 20
-DEFAULT_NUM_BUFFERS = 2
-DEFAULT_TIMEOUT_S = 120.0
+# 6: the wire parameters are signed whole (timeout_s included), the update handshake signs the
+# bucket plan and answers with a Verdict code
+PROTOCOL_VERSION = 6
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
-MAX_NUM_BUFFERS = 64
 MAX_TIMEOUT_S = 24 * 3600.0
-# What a failed update leaves: "restore" puts the old weights back from a host copy kept for
-# the update's duration; "hold" keeps no copy and holds generation until an update completes.
-ON_FAILURE = ("restore", "hold")
-DEFAULT_ON_FAILURE = "restore"
-# Fields every init info carries, trainer side and engine side (checked by check_wire).
-WIRE_FIELDS = (
-    "packed",
-    "packed_buffer_size_bytes",
-    "packed_num_buffers",
-    "timeout_s",
-    "on_failure",
-    "validation",
-    "delta",
+
+# Every wire type: strict types (no "5" for 5, no 1 for True) and no unknown field.
+wire_dataclass = partial(
+    pydantic_dataclass,
+    kw_only=True,
+    config=ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True),
 )
 
-
-def check_wire(info) -> None:
-    """Validate an init info's fields (ValueError naming the field): types first, then the
-    wire parameters, which are agreed once, at init."""
-    check_field_types(info)
-    bucket, buffers, timeout_s = (
-        info.packed_buffer_size_bytes,
-        info.packed_num_buffers,
-        info.timeout_s,
-    )
-    if not 0 < bucket <= MAX_BUCKET_BYTES:
-        raise ValueError(
-            f"packed_buffer_size_bytes must be in 1..{MAX_BUCKET_BYTES}, got {bucket!r}"
-        )
-    if not 1 <= buffers <= MAX_NUM_BUFFERS:
-        raise ValueError(f"packed_num_buffers must be in 1..{MAX_NUM_BUFFERS}, got {buffers!r}")
-    if info.validation not in VALIDATION:
-        raise ValueError(f"validation must be one of {list(VALIDATION)}, got {info.validation!r}")
-    if info.on_failure not in ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {list(ON_FAILURE)}, got {info.on_failure!r}")
-    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}] s, got {timeout_s!r}")
+BucketBytes = Annotated[int, Field(gt=0, le=MAX_BUCKET_BYTES)]
+NumBuffers = Annotated[int, Field(ge=1, le=64)]
 
 
-def engine_wire(info) -> dict:
-    """The wire parameters a trainer's init info hands on to the engine's."""
-    return {k: getattr(info, k) for k in WIRE_FIELDS}
+@wire_dataclass
+class WireParams:
+    """The trainer's choices that both sides must share, embedded in every init info.
+
+    - ``packed``: tensors share buckets (one collective or staging copy per bucket);
+    - ``packed_buffer_size_bytes``, ``packed_num_buffers``: bucket size and buckets in flight;
+    - ``timeout_s``: bounds every rendezvous, collective and doorbell wait;
+    - ``on_failure``: ``"restore"`` keeps a host copy of the old weights for the update's
+      duration and puts it back on failure; ``"hold"`` keeps none, and a failed update leaves
+      generation refused until a complete update (docs/failure-semantics.md);
+    - ``validation``: ``"partial"`` lets an update omit whole layers, ``"complete"`` does not;
+    - ``delta``: send only the elements that changed (a host copy on both sides; delta.py).
+    """
+
+    packed: bool = True
+    packed_buffer_size_bytes: BucketBytes = 256 << 20
+    packed_num_buffers: NumBuffers = 2
+    timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] = 120.0
+    on_failure: Literal["restore", "hold"] = "restore"
+    validation: Literal["partial", "complete"] = "partial"
+    delta: bool = False
 
 
-def wire_signature(info) -> int:
-    return signature(
-        PROTOCOL_VERSION,
-        info.packed,
-        info.packed_buffer_size_bytes,
-        info.packed_num_buffers,
-        info.delta,
-    )
+WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
 
 
-def plan_for(info, specs: list[TensorSpec], alone_bytes: int | None = None) -> list[Bucket]:
+def parse_wire(cls: type, body: Any) -> Any:
+    """``cls(**body)``, vLLM's way of building an init or update info, with one line per
+    problem (``field[index]: what is wrong``) instead of pydantic's report."""
+    if not isinstance(body, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, got {type(body).__name__}")
+    try:
+        return cls(**body)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
+            what = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where.lstrip('.')}: {what}" if where else what)
+        raise ValueError(f"{cls.__name__}: {'; '.join(problems)}") from None
+
+
+def wire_params(info: WireParams) -> dict[str, Any]:
+    """The wire parameters of ``info``, as a trainer hands them to the engine's init info."""
+    return {name: getattr(info, name) for name in WIRE_FIELDS}
+
+
+def signature(*parts: object) -> int:
+    """A 30-bit digest of ``parts``, small enough to negate inside an int32 all-reduce."""
+    return zlib.crc32(repr(parts).encode()) & 0x3FFFFFFF
+
+
+def wire_signature(info: WireParams, alone_bytes: int | None) -> int:
+    """What both sides sign at init: the protocol, every wire parameter and the constants
+    that shape the bucket plan."""
+    return signature(PROTOCOL_VERSION, ALIGN_BYTES, alone_bytes, *wire_params(info).values())
+
+
+def plan_for(info: WireParams, specs: list[TensorSpec], alone_bytes: int | None) -> list[Bucket]:
     """The bucket plan both sides derive from the agreed wire parameters. Unpacked: one tensor
     per bucket; packed: tensors share buckets, and one above ``alone_bytes`` goes alone."""
     bucket_bytes = info.packed_buffer_size_bytes if info.packed else 1
     return plan_buckets(specs, bucket_bytes, alone_bytes=alone_bytes)
 
 
-def update_signature(specs: list[TensorSpec]) -> int:
-    return signature([(s.name, dtype_name(s.dtype), s.shape) for s in specs])
+def plan_signature(plan: list[Bucket]) -> int:
+    """What both sides sign at every update: every bucket and every tensor's place in it."""
+    return signature(
+        [
+            (
+                b.nbytes,
+                b.oversized,
+                b.offsets,
+                [(s.name, dtype_name(s.dtype), s.shape) for s in b.specs],
+            )
+            for b in plan
+        ]
+    )
 
 
-@dataclass
+class Verdict(IntEnum):
+    """A side's answer in an update's handshake. Lower wins: an HCCL handshake all-reduces the
+    minimum, and the NPU-IPC trainer takes the minimum of its ranks' and workers' answers."""
+
+    REFUSED = 0  # the metadata does not fit a side (the reason is in its HTTP answer)
+    STALE_BASE = 1  # delta: the engine does not hold the base the update refers to
+    GO = 2
+
+
+@wire_dataclass
 class CheckpointUpdateInfo(WeightTransferUpdateInfo):
-    """One update's metadata, in the order the trainer sends the tensors."""
+    """One update's metadata, in the order the trainer sends the tensors.
+
+    ``weight_version``: the version being loaded, so that a failed update can say which one is
+    partly loaded. Delta updates (``delta=True`` at init): per tensor the number of changed
+    elements sent (-1: whole), the base they refer to, and the version they make.
+    """
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    # The version being loaded (the trainer's send_weights(weight_version=...)), so that a
-    # failed update can say which version is partly loaded; finish_weight_update sets it.
     weight_version: str | None = None
-    # Delta updates (init with delta=True; see delta.py): per tensor the number of changed
-    # elements sent (-1: whole), the base they refer to, and the version they make.
     nnz: list[int] | None = None
     base_version: str | None = None
     delta_version: str | None = None
 
     def __post_init__(self) -> None:
-        """Refuse inconsistent metadata at construction, as vLLM's own update infos do."""
-        try:
-            check_field_types(self)
-        except FieldError as e:
-            raise WeightUpdateRefused(str(e)) from None
-        parse_specs(self.names, self.dtype_names, self.shapes)
+        _ = self.specs  # malformed metadata is refused at construction, as vLLM's infos are
         if self.nnz is not None and len(self.nnz) != len(self.names):
-            raise WeightUpdateRefused(
-                f"nnz has {len(self.nnz)} entries for {len(self.names)} tensors"
-            )
+            raise ValueError(f"nnz has {len(self.nnz)} entries for {len(self.names)} tensors")
 
-    @classmethod
-    def fields_from_specs(cls, specs: list[TensorSpec]) -> dict:
+    @cached_property
+    def specs(self) -> list[TensorSpec]:
+        return parse_specs(self.names, self.dtype_names, self.shapes)
+
+    @staticmethod
+    def fields_from_specs(specs: list[TensorSpec]) -> dict[str, Any]:
         return {
             "names": [s.name for s in specs],
             "dtype_names": [dtype_name(s.dtype) for s in specs],

@@ -1,0 +1,151 @@
+"""The engine's update state machine, every (state, event) pair, legal and illegal.
+
+The session runs on a real module (its forward guard is a real hook), a real receive pool and
+CPU device. vLLM's layerwise reload is replaced by a recorder (STAND-IN, not hardware: the
+reload itself is exercised against vLLM by the e2e suites), so each transition's actions on
+the reload are visible: begin on start, finish on a completed finish, abort on every other end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.weight_transfer.session import (
+    TRANSITIONS,
+    Event,
+    IllegalTransition,
+    State,
+    UpdateSession,
+)
+
+
+class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module docstring)
+    def __init__(self, kept: int = 0, restored: int = 0) -> None:
+        self.calls: list[str] = []
+        self.kept, self.restored = kept, restored
+
+    def begin(self, model, model_config, keep_old=True, workers_on_host=1) -> None:
+        self.calls.append(f"begin(keep_old={keep_old})")
+
+    def finish(self, model_config) -> None:
+        self.calls.append("finish")
+
+    def abort(self, model_config) -> tuple[int, int]:
+        self.calls.append("abort")
+        return self.restored, self.kept
+
+
+def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSession:
+    s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), workers_on_host=1)
+    s.configure("hold" if hold else "restore", delta=False, pool_bytes=1 << 20)
+    s.reload = RecordingReload(kept, restored)
+    return s
+
+
+def fire(s: UpdateSession, event: Event) -> None:
+    {
+        Event.START: s.start,
+        Event.RECEIVE: lambda: s.receive("v2", None),
+        Event.LOADED: s.loaded,
+        Event.FINISH: s.finish,
+        Event.FAIL: s.fail,
+        Event.CANCEL: lambda: s.cancel("a test cancelled it"),
+    }[event]()
+
+
+PATHS = {  # how each state is reached from IDLE
+    State.IDLE: [],
+    State.OPEN: [Event.START],
+    State.RECEIVING: [Event.START, Event.RECEIVE],
+    State.RECEIVED: [Event.START, Event.RECEIVE, Event.LOADED],
+    State.CANCELLED: [Event.START, Event.CANCEL],
+}
+
+
+def in_state(state: State) -> UpdateSession:
+    s = session()
+    for event in PATHS[state]:
+        fire(s, event)
+    assert s.state is state
+    s.reload.calls.clear()
+    return s
+
+
+# What each legal transition does to the reload.
+ACTIONS = {
+    (State.IDLE, Event.START): ["begin(keep_old=True)"],
+    (State.OPEN, Event.FINISH): ["abort"],  # nothing arrived: the old weights stay
+    (State.OPEN, Event.FAIL): ["abort"],
+    (State.OPEN, Event.CANCEL): ["abort"],
+    (State.RECEIVING, Event.FAIL): ["abort"],
+    (State.RECEIVED, Event.FINISH): ["finish"],  # the only way new weights are applied
+    (State.RECEIVED, Event.FAIL): ["abort"],
+    (State.RECEIVED, Event.CANCEL): ["abort"],
+}
+
+
+@pytest.mark.parametrize("state", list(State), ids=lambda s: s.name)
+@pytest.mark.parametrize("event", list(Event), ids=lambda e: e.name)
+def test_every_state_and_event(state, event):
+    s = in_state(state)
+    after = TRANSITIONS.get((state, event))
+    if after is None:
+        with pytest.raises(IllegalTransition):
+            fire(s, event)
+        assert s.state is state and s.reload.calls == [], "an illegal event changed something"
+        return
+    fire(s, event)
+    assert s.state is after
+    assert s.reload.calls == ACTIONS.get((state, event), [])
+    guarded = after in (State.OPEN, State.RECEIVING, State.RECEIVED)
+    assert (s._guard is not None) is guarded
+
+
+def test_the_table_is_the_documented_machine():
+    """Every state can be left, IDLE is reached from every state, and only start leaves IDLE
+    for an open update."""
+    for state in State:
+        assert any(k[0] is state for k in TRANSITIONS), state
+    assert {k[0] for k, v in TRANSITIONS.items() if v is State.IDLE} == set(State)
+    assert [k for k, v in TRANSITIONS.items() if k[0] is State.IDLE and v is not State.IDLE] == [
+        (State.IDLE, Event.START)
+    ]
+
+
+def test_a_forward_pass_during_an_open_update_cancels_it_and_finish_ends_it():
+    s = in_state(State.OPEN)
+    s.model(torch.zeros(1, 2))  # generation ran while the update was open
+    assert s.state is State.CANCELLED and s.reload.calls == ["abort"]
+    assert "generation ran while it was open" in s.cancelled
+    with pytest.raises(IllegalTransition, match="generation ran while it was open"):
+        s.receive("v2", None)  # update_weights learns why
+    s.finish()
+    assert s.state is State.IDLE and s._guard is None
+
+
+def test_a_failed_restore_update_says_what_was_restored():
+    s = session(restored=3)
+    for event in PATHS[State.RECEIVING]:
+        fire(s, event)
+    assert s.fail() == "model unchanged (the old weights were restored in 3 layer(s))"
+    assert s.not_whole() is None
+
+
+def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
+    s = session(hold=True, kept=2)
+    s.start()
+    assert s.reload.calls == ["begin(keep_old=False)"]  # no backup of the old weights
+    s.receive("v2-partial", None)
+    assert "loading (on_failure=hold)" in s.not_whole()  # a resume now would mix versions
+    state = s.fail()
+    assert "of version 'v2-partial' failed after 2 layer(s)" in state
+    assert s.not_whole() == s.mixed and s.state is State.IDLE
+    with pytest.raises(RuntimeError, match="refusing to run the model"):
+        s.model(torch.zeros(1, 2))  # the guard stays while the weights are not whole
+    s.reload.kept = 0  # the next update completes
+    for event in (Event.START, Event.RECEIVE, Event.LOADED, Event.FINISH):
+        fire(s, event)
+    assert s.not_whole() is None and s._guard is None
+    s.model(torch.zeros(1, 2))

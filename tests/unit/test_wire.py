@@ -1,0 +1,138 @@
+"""The wire parameters: one typed definition, signed whole at init (timeout_s included), and
+the bucket plan signed at every update. A mismatch of either is refused before any byte moves:
+real engine and trainer code over a gloo group, in threads."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tests.unit.test_channel import run_ranks
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
+from vllm_ascend_rl.weight_transfer.hccl import (
+    DIRECT_BYTES,
+    AscendRLHCCLWeightTransferEngine,
+    AscendRLHCCLWeightTransferInitInfo,
+    HCCLTrainerInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
+from vllm_ascend_rl.weight_transfer.npu_ipc import (
+    AscendRLNPUIPCWeightTransferInitInfo,
+    NPUIPCTrainerInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
+from vllm_ascend_rl.weight_transfer.wire import (
+    WIRE_FIELDS,
+    Verdict,
+    WireParams,
+    plan_for,
+    wire_params,
+    wire_signature,
+)
+
+INFOS = [
+    HCCLTrainerInitInfo,
+    AscendRLHCCLWeightTransferInitInfo,
+    NPUIPCTrainerInitInfo,
+    AscendRLNPUIPCWeightTransferInitInfo,
+]
+
+
+@pytest.mark.parametrize("cls", INFOS, ids=lambda c: c.__name__)
+def test_every_init_info_embeds_the_one_wire_definition(cls):
+    assert issubclass(cls, WireParams)
+    names = [f for f in cls.__dataclass_fields__ if f in WIRE_FIELDS]
+    assert names == list(WIRE_FIELDS)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("timeout_s", "5"),
+        ("timeout_s", float("nan")),
+        ("timeout_s", 0),
+        ("packed", 1),
+        ("packed_buffer_size_bytes", -1),
+        ("packed_num_buffers", 0),
+        ("on_failure", "ignore"),
+        ("validation", "most"),
+    ],
+)
+def test_a_bad_wire_parameter_is_refused_naming_it(field, value):
+    with pytest.raises(ValidationError, match=field):
+        HCCLTrainerInitInfo(
+            rank=0, master_address="h", master_port=1, world_size=2, **{field: value}
+        )
+
+
+@pytest.mark.parametrize("field, other", [("timeout_s", 61.0), ("packed_num_buffers", 3)])
+def test_the_signature_covers_every_wire_parameter(field, other):
+    a = HCCLTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=2)
+    b = HCCLTrainerInitInfo(**{**vars(a), field: other})
+    assert wire_signature(a, DIRECT_BYTES) != wire_signature(b, DIRECT_BYTES)
+    assert wire_signature(a, DIRECT_BYTES) != wire_signature(a, None)  # the plan's constants
+
+
+def _engine() -> AscendRLHCCLWeightTransferEngine:
+    parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
+    config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    return AscendRLHCCLWeightTransferEngine(
+        None, config, torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
+
+
+def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
+    """The engine's real init against a trainer rank that signed timeout_s=60: the engine
+    refuses, and neither side broadcast anything."""
+    trainer_info = HCCLTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=2)
+    port_holder: dict = {}
+
+    def body(ch):
+        if ch.rank == 0:
+            _, same = ch.agree(Verdict.GO, wire_signature(trainer_info, DIRECT_BYTES), "init")
+            return same
+        engine = _engine()
+        engine_info = AscendRLHCCLWeightTransferInitInfo(
+            master_address="127.0.0.1",
+            master_port=1,
+            world_size=2,
+            **{**wire_params(trainer_info), "timeout_s": 61.0},
+        )
+        monkeypatch.setattr(
+            "vllm_ascend_rl.weight_transfer.hccl.BroadcastChannel.open", lambda *a: ch
+        )
+        with pytest.raises(ValueError, match="disagree on the weight-transfer protocol"):
+            engine.init_transfer_engine(engine_info)
+        port_holder["channel"] = engine.channel
+        return ch.broken
+
+    same, broken = run_ranks(2, body)
+    assert same is False and port_holder["channel"] is None and broken == "closed"
+
+
+def test_an_update_whose_plan_differs_is_refused_before_any_byte():
+    """Trainer and engine plan the same tensors into different buckets (here: the engine
+    sends large tensors alone, the trainer does not): the handshake refuses on both sides."""
+    specs = [TensorSpec("a", torch.float32, (1000,)), TensorSpec("b", torch.float32, (4 << 20,))]
+    info = AscendRLHCCLWeightTransferInitInfo(
+        master_address="127.0.0.1", master_port=1, world_size=2
+    )
+    update = types.SimpleNamespace(raise_if_failed=lambda: None)
+
+    def body(ch):
+        if ch.rank == 0:
+            trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
+            trainer.channel = ch
+            return trainer.agree(plan_for(info, specs, None), update), ch.broken
+        engine = _engine()
+        engine.channel, engine.init_info = ch, info
+        plan = plan_for(info, specs, DIRECT_BYTES)
+        with pytest.raises(WeightUpdateRefused, match="plan differs"):
+            engine._agree(Verdict.GO, None, plan)
+        return ch.broken
+
+    (verdict, trainer_broken), engine_broken = run_ranks(2, body)
+    assert verdict is Verdict.REFUSED and trainer_broken is None and engine_broken is None

@@ -1,0 +1,141 @@
+"""Engine-side functions both transports use: set-up, vetting an update, ending a failed one.
+
+An engine (``hccl.py``, ``npu_ipc.py``) implements vLLM's ``WeightTransferEngine`` itself and
+keeps its update state in an :class:`~vllm_ascend_rl.weight_transfer.session.UpdateSession`.
+One update on either transport:
+
+1. ``session.receive`` (the update must be open), then :func:`vet_update`: the metadata is
+   checked against the model, nothing is loaded yet;
+2. the handshake: the engine's :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the
+   plan's signature meet the trainer's; anything but GO from everyone ends the update;
+3. bucket after bucket is loaded through ``session.load``; then ``session.loaded``;
+4. any failure: :func:`update_failed` ends the update (old weights back) and says what the
+   model holds; the transport drops its connection first if bytes may be out of step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from vllm_ascend_rl.device import Device, device_for, worker_index
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
+from vllm_ascend_rl.weight_transfer.delta import DeltaRefused, wire_specs
+from vllm_ascend_rl.weight_transfer.session import UpdateSession
+from vllm_ascend_rl.weight_transfer.validation import (
+    WeightUpdateRefused,
+    expected_params,
+    validate_update,
+)
+from vllm_ascend_rl.weight_transfer.wire import CheckpointUpdateInfo, Verdict, WireParams
+
+# vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
+# worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
+# start/finish never run. The lifecycle we implement arrived on vllm-ascend main in 9eabafb0c8.
+LEGACY_WORKER = (
+    "this vllm-ascend release calls receive_weights(info, load_weights=...) and never "
+    "start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's engines need "
+    "vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align weight transfer "
+    "lifecycle with vLLM (#12876)'). No weight was loaded."
+)
+
+
+class TransferFailed(RuntimeError):
+    """Bytes stopped arriving mid-update; the connection is gone."""
+
+
+def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSession]:
+    """An engine's device and update session; refuses at engine start, not at the trainer's
+    first sync, a stack that would refuse every weight update."""
+    parallel = engine.parallel_config
+    hw = device_for(device, cpu_chip=worker_index(parallel))
+    refusal = hw.weight_update_refusal()
+    if refusal:
+        raise ValueError(refusal)
+    session = UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
+    return hw, session
+
+
+def check_receive_call(legacy: dict[str, Any]) -> None:
+    if "load_weights" in legacy:
+        raise RuntimeError(LEGACY_WORKER)
+    if legacy:
+        raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
+
+
+def vet_update(
+    engine: Any, info: CheckpointUpdateInfo, wire: WireParams
+) -> tuple[Verdict, str | None, list[TensorSpec]]:
+    """The engine's verdict on an update's metadata, the reason if not GO, and the tensors on
+    the wire (the specs, or their delta encoding)."""
+    specs = info.specs
+    try:
+        packed_modules = getattr(engine.model, "packed_modules_mapping", None)
+        validate_update(specs, expected_for(engine), wire.validation, packed_modules)
+        if info.nnz is None:
+            return Verdict.GO, None, specs
+        base = engine.session.base
+        if base is None:
+            raise WeightUpdateRefused("this engine was initialized without delta=True")
+        wire_tensors = wire_specs(specs, info.nnz)
+        base.check(specs, info.nnz, info.base_version)
+    except WeightUpdateRefused as e:
+        return Verdict.REFUSED, str(e), specs
+    except DeltaRefused as e:
+        return Verdict.STALE_BASE if e.stale else Verdict.REFUSED, str(e), specs
+    return Verdict.GO, None, wire_tensors
+
+
+def expected_for(engine: Any):
+    """The model's checkpoint parameters, read once per engine."""
+    if not hasattr(engine, "_expected"):
+        engine._expected = expected_params(engine.model_config)
+    return engine._expected
+
+
+def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused | None:
+    """The refusal an update handshake's outcome means for this engine, or None to go on."""
+    if verdict == Verdict.GO and same:
+        return None
+    if reason is None:
+        reason = (
+            "the trainer's plan differs from update_info"
+            if verdict == Verdict.GO
+            else "another side refused it"
+        )
+    return WeightUpdateRefused(reason)
+
+
+def update_failed(session: UpdateSession, e: BaseException) -> BaseException:
+    """End the update ``update_weights`` failed with ``e``; the error to raise instead, saying
+    what the model holds now."""
+    state = session.fail()
+    if isinstance(e, ValueError):  # refusals and malformed calls: nothing was loaded
+        return WeightUpdateRefused(f"refused weight update, {state}: {e}")
+    return type(e)(f"{e}; {state}") if isinstance(e, RuntimeError) else e
+
+
+def load_buckets(
+    session: UpdateSession,
+    buckets: Iterator[tuple[Bucket, torch.Tensor]],
+    specs: list[TensorSpec],
+    disconnect: Callable[[], None],
+) -> None:
+    """Load every bucket a transport yields; if the transfer breaks, drop the connection
+    first (nothing may wait behind a transfer on a dead peer) and say how far it got."""
+    received = 0
+    try:
+        for bucket, buf in buckets:
+            session.load(bucket, buf)
+            received += bucket.nbytes
+            del buf  # the transport reuses a buffer once nothing refers to it
+    except Exception as e:
+        disconnect()
+        raise TransferFailed(
+            f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
+            f"({type(e).__name__}: {e}). Call init_weight_transfer_engine again before the "
+            "next update"
+        ) from e
+    session.loaded()

@@ -1,0 +1,212 @@
+"""HCCL weight transfer, trainer side: rank 0 drives start/update/finish over the client and
+broadcasts; other trainer ranks only iterate the source (its gathers are collectives). The
+engine side is :mod:`vllm_ascend_rl.weight_transfer.hccl`."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict
+from typing import Self
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
+
+from vllm_ascend_rl.device import current_device
+from vllm_ascend_rl.weight_transfer.buckets import (
+    Bucket,
+    TensorSpec,
+    as_bytes,
+    iter_bucket_tensors,
+    pack_into,
+    pieces,
+)
+from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
+from vllm_ascend_rl.weight_transfer.delta import TrainerBase
+from vllm_ascend_rl.weight_transfer.hccl import (
+    DIRECT_BYTES,
+    AscendRLHCCLWeightTransferInitInfo,
+    AscendRLHCCLWeightTransferUpdateInfo,
+    HCCLTrainerInitInfo,
+)
+from vllm_ascend_rl.weight_transfer.trainer_side import (
+    BackgroundCall,
+    Pairs,
+    Progress,
+    SyncResult,
+    WeightSyncError,
+    check_world_size,
+    send_update,
+)
+from vllm_ascend_rl.weight_transfer.wire import (
+    Verdict,
+    plan_signature,
+    wire_params,
+    wire_signature,
+)
+
+
+class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
+    """Trainer side of the HCCL transport (:class:`~.trainer_side.Transport`)."""
+
+    init_info_cls = HCCLTrainerInitInfo
+    alone_bytes = DIRECT_BYTES
+
+    def __init__(
+        self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: HCCLTrainerInitInfo
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info = init_info
+        self.base = TrainerBase() if init_info.delta and self.is_sender else None
+        # Read once, here: on NPU the current device is per thread, and the rendezvous and
+        # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
+        self.hw = current_device(cpu_chip=init_info.rank)
+        self.channel: BroadcastChannel | None = None
+        self._staging: list[torch.Tensor] = []
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: HCCLTrainerInitInfo,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError("HCCL weight transfer needs a WeightSource (e.g. ModuleSource)")
+        engine = cls(client=client, source=source, init_info=init_info)
+        if engine.is_sender:  # the group is the sender and the engine workers
+            engine.channel = engine._connect()
+        return engine
+
+    def send_weights(
+        self, weight_version: str | None = None, progress: bool | None = None
+    ) -> SyncResult:
+        """Push every weight of the source into the engine: start, update, finish. Returns
+        bytes, seconds and GB/s; ``weight_version`` tags subsequent outputs; ``progress``
+        shows a byte progress bar (default: 512 MiB or more, on a terminal)."""
+        return send_update(self, weight_version, progress)
+
+    def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    def _connect(self) -> BroadcastChannel:
+        info = self.init_info
+        check_world_size(self.client, info.world_size)
+        worker_info = AscendRLHCCLWeightTransferInitInfo(
+            master_address=info.master_address,
+            master_port=info.master_port,
+            world_size=info.world_size,
+            **wire_params(info),
+        )
+        # The engine blocks in /init_weight_transfer_engine until the group forms, and rank 0
+        # (us) hosts the rendezvous: both must run at once, and either may fail first.
+        init_call = BackgroundCall(
+            "init_weight_transfer_engine",
+            self.client.init_weight_transfer_engine,
+            asdict(worker_info),
+        )
+        opening = BackgroundCall(
+            "rendezvous",
+            BroadcastChannel.open,
+            self.hw,
+            info.master_address,
+            info.master_port,
+            0,
+            info.world_size,
+            info.timeout_s,
+        )
+        while not opening.wait(0.05):  # BroadcastChannel.open gives up after timeout_s
+            init_call.raise_if_failed()
+        channel = opening.result(0)
+        try:
+            _, same = channel.agree(
+                Verdict.GO,
+                wire_signature(info, DIRECT_BYTES),
+                "init handshake",
+                init_call.raise_if_failed,
+            )
+            if not same:
+                raise WeightSyncError(
+                    f"engine rejected the wire parameters: {init_call.failure(info.timeout_s)}"
+                )
+            init_call.result(info.timeout_s)
+        except Exception:
+            channel.close()
+            raise
+        return channel
+
+    # -- the transport's steps (send_update) -------------------------------------------
+    def not_ready(self) -> str | None:
+        return "not connected" if self.channel is None else self.channel.broken
+
+    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+        return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
+
+    def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
+        lowest, same = self.channel.agree(
+            Verdict.GO, plan_signature(plan), "update handshake", update.raise_if_failed
+        )
+        if lowest != Verdict.GO:  # a refusal's plan need not match
+            return Verdict(lowest)
+        return Verdict.GO if same else Verdict.REFUSED
+
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
+        channel, depth = self.channel, self.init_info.packed_num_buffers
+        piece = self.init_info.packed_buffer_size_bytes
+        staging = self._staging_buffers(plan, depth)
+        in_flight: deque = deque()  # (bucket, work, the bytes it sends, staging slot or None)
+        poll = update.raise_if_failed
+
+        def oldest_done() -> None:
+            bucket, work, sent, _ = in_flight.popleft()
+            channel.wait(work, f"sending bucket {bucket.index}", poll)
+            bar.update(sent.numel())
+
+        for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
+            slot = None if bucket.oversized else i % depth
+            if slot is None:  # from itself (a delta's host-side indices go to the device)
+                send = as_bytes(tensors[0].to(self.hw.torch_device()))
+            else:
+                while any(entry[3] == slot for entry in in_flight):  # free before reuse
+                    oldest_done()
+                send = staging[slot][: bucket.nbytes]
+                # No synchronize: the collective's stream waits for the current stream,
+                # where the pack was queued (torch_npu ProcessGroupHCCL.cpp:267-279), and a
+                # device-wide sync would also wait for the broadcast in flight.
+                pack_into(send, bucket, tensors, self.hw.copy_bytes)
+            for start, n in pieces(bucket.nbytes, piece):
+                if len(in_flight) >= depth:
+                    oldest_done()
+                part = send[start : start + n]
+                in_flight.append((bucket, channel.broadcast(part), part, slot))
+        while in_flight:
+            oldest_done()
+
+    def abort(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    def succeeded(self) -> None:
+        pass
+
+    def cancel(self, reason: str) -> None:
+        pass
+
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        for _ in self.source:  # keeps this rank in the source's gather collectives
+            pass
+
+    def _staging_buffers(self, plan: list[Bucket], depth: int) -> list[torch.Tensor]:
+        need = max((b.nbytes for b in plan if not b.oversized), default=0)
+        if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
+            self._staging = [
+                torch.empty(need, dtype=torch.uint8, device=self.hw.torch_device())
+                for _ in range(depth)
+            ]
+        return self._staging

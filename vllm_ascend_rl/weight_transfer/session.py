@@ -1,0 +1,277 @@
+"""One engine worker's weight updates, as an explicit state machine.
+
+vLLM drives an update with ``start_weight_update``, one or more ``update_weights`` and
+``finish_weight_update``; the model's forward pass may run between those calls. Every one of
+them is an :class:`Event` here, and :data:`TRANSITIONS` says where each leads::
+
+    IDLE --start--> OPEN --receive--> RECEIVING --loaded--> RECEIVED --finish--> IDLE
+                     |                    |                   |  '--receive--> RECEIVING
+                     |--finish--> IDLE    '--fail--> IDLE     '--cancel--> CANCELLED
+                     '--cancel--> CANCELLED --finish/fail--> IDLE
+
+- ``fail`` (a refusal, a broken transfer, a malformed call) ends the update at once: vLLM's
+  worker closes its session when ``update_weights`` raises.
+- ``cancel`` (a forward pass during the update, a new init, shutdown) ends it too, but the
+  worker still counts it as open, so ``finish`` (or a failing ``update_weights``) follows.
+- Ending an update any other way than ``finish`` from ``RECEIVED`` puts the old weights back
+  (``on_failure="restore"``), or, with ``"hold"`` and layers that already took new weights,
+  leaves the model *not whole*: generation is refused (:meth:`UpdateSession.not_whole`, asked
+  by the plugin scheduler at every resume) until an update completes.
+
+The session owns everything an open update holds: vLLM's layerwise reload and the backup of the
+old weights, the receive pool, the forward guard and, with ``delta=True``, the host base.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+
+import torch
+
+from vllm_ascend_rl.device import Device
+from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, unpack_views
+from vllm_ascend_rl.weight_transfer.delta import EngineBase, fingerprint
+from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
+from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
+
+logger = get_logger(__name__)
+
+
+class State(Enum):
+    IDLE = "no update open"
+    OPEN = "open, nothing received"
+    RECEIVING = "receiving"
+    RECEIVED = "received, not finished"
+    CANCELLED = "cancelled, not finished"
+
+
+class Event(Enum):
+    START = "start_weight_update"
+    RECEIVE = "update_weights"
+    LOADED = "every bucket loaded"
+    FINISH = "finish_weight_update"
+    FAIL = "failure"
+    CANCEL = "cancellation"
+
+
+S, E = State, Event
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (S.IDLE, E.START): S.OPEN,
+    (S.IDLE, E.FAIL): S.IDLE,
+    (S.IDLE, E.CANCEL): S.IDLE,
+    (S.OPEN, E.RECEIVE): S.RECEIVING,
+    (S.OPEN, E.FINISH): S.IDLE,  # nothing arrived: the old weights stay
+    (S.OPEN, E.FAIL): S.IDLE,
+    (S.OPEN, E.CANCEL): S.CANCELLED,
+    (S.RECEIVING, E.LOADED): S.RECEIVED,
+    (S.RECEIVING, E.FAIL): S.IDLE,
+    (S.RECEIVED, E.RECEIVE): S.RECEIVING,  # another chunk of the same update
+    (S.RECEIVED, E.FINISH): S.IDLE,  # the update is applied
+    (S.RECEIVED, E.FAIL): S.IDLE,
+    (S.RECEIVED, E.CANCEL): S.CANCELLED,
+    (S.CANCELLED, E.FINISH): S.IDLE,
+    (S.CANCELLED, E.FAIL): S.IDLE,
+    (S.CANCELLED, E.CANCEL): S.CANCELLED,
+}
+
+
+class IllegalTransition(RuntimeError):
+    """An event the update's current state does not allow; nothing changed."""
+
+
+class UpdateSession:
+    """The update state of one engine worker; every public method is one event."""
+
+    def __init__(self, model: torch.nn.Module, model_config, hw: Device, workers_on_host: int):
+        self.model, self.model_config, self.hw = model, model_config, hw
+        self.workers_on_host = workers_on_host
+        self.state = State.IDLE
+        self.hold = False  # on_failure="hold": no backup of the old weights
+        self.base: EngineBase | None = None  # delta=True: the weights the engine holds
+        self.reload = LayerwiseReload()
+        self.pool = ReceivePool(hw.torch_device(), 0)
+        self.version: str | None = None  # the version the open update loads, if named
+        self.cancelled: str | None = None  # why the open update was cancelled
+        self.mixed: str | None = None  # hold: why the weights are not whole
+        self._guard = None
+        # Until then a failed collective may still be queued on the device, and a device-wide
+        # sync such as empty_cache would wait behind it (see HCCL's disconnect).
+        self.device_busy_until = 0.0
+
+    def configure(self, on_failure: str, delta: bool, pool_bytes: int) -> None:
+        """Apply a new init's parameters (no update is open: init cancels it first)."""
+        self.hold = on_failure == "hold"
+        if delta and self.base is None:
+            self.base = EngineBase()
+        self.pool.release()
+        self.pool.max_bytes = pool_bytes
+
+    def _go(self, event: Event) -> State:
+        """Move on ``event``; IllegalTransition (nothing changed) if the state forbids it."""
+        after = TRANSITIONS.get((self.state, event))
+        if after is None:
+            raise IllegalTransition(self._illegal(event))
+        before, self.state = self.state, after
+        return before
+
+    def _illegal(self, event: Event) -> str:
+        if self.state is State.CANCELLED:
+            return self.cancelled or "the weight update was cancelled"
+        if event is Event.RECEIVE:
+            return "update_weights called without start_weight_update"
+        return f"{event.value} is not allowed while the weight update is {self.state.value}"
+
+    # -- events ------------------------------------------------------------------------
+    def start(self) -> None:
+        """``start_weight_update``: open layerwise reload (with a host copy of the old weights
+        unless ``hold``) and guard the forward pass."""
+        if self.state is not State.IDLE:
+            raise IllegalTransition(self._illegal(Event.START))
+        self._check_base()
+        self.reload.begin(
+            self.model,
+            self.model_config,
+            keep_old=not self.hold,
+            workers_on_host=self.workers_on_host,
+        )
+        self._go(Event.START)
+        self.cancelled = None
+        self._set_guard()
+
+    def receive(self, version: str | None, delta_version: str | None) -> None:
+        """``update_weights`` begins (before its handshake)."""
+        self._go(Event.RECEIVE)
+        self.version = version
+        if self.base is not None:
+            self.base.begin(delta_version or version)
+
+    def load(self, bucket: Bucket, buf: torch.Tensor) -> None:
+        """Load one received bucket through layerwise reload (its views may stay referenced
+        until their layer is complete)."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+
+        assert self.state is State.RECEIVING, self.state
+        views = unpack_views(buf, bucket)
+        with disable_mtp_completeness_check():
+            self.model.load_weights(views if self.base is None else self.base.stage(views))
+
+    def loaded(self) -> None:
+        self._go(Event.LOADED)
+
+    def finish(self) -> None:
+        """``finish_weight_update``: apply what arrived, or end an update that got nothing."""
+        before = self._go(Event.FINISH)
+        if before is State.CANCELLED:
+            logger.warning("finish_weight_update: nothing applied, %s", self.cancelled)
+        elif before is State.OPEN:
+            logger.warning("finish_weight_update without any update: %s", self._abort())
+        else:
+            self.reload.finish(self.model_config)
+            self.mixed = None
+            if self.base is not None:
+                self.base.commit(self.model)
+            self._end(completed=True)
+
+    def fail(self) -> str:
+        """A failure ends the update; returns what the model holds now (for messages)."""
+        before = self._go(Event.FAIL)
+        if before in (State.IDLE, State.CANCELLED):
+            return self.cancelled if before is State.CANCELLED else self._whole()
+        return self._abort()
+
+    def cancel(self, why: str) -> None:
+        """End the open update early; the worker still counts it as open."""
+        before = self._go(Event.CANCEL)
+        if before in (State.OPEN, State.RECEIVED):
+            self.cancelled = f"the weight update was cancelled because {why}; {self._abort()}"
+            logger.error("%s", self.cancelled)
+
+    def not_whole(self) -> str | None:
+        """Why generation must not run on this worker's weights now, or None."""
+        if self.mixed:
+            return self.mixed
+        if self.hold and self.state in (State.RECEIVING, State.RECEIVED):
+            return "a weight update is loading (on_failure=hold): finish it first"
+        return None
+
+    # -- actions -----------------------------------------------------------------------
+    def _abort(self) -> str:
+        """Undo the open update's reload; what the model holds now."""
+        if self.base is not None:
+            self.base.rollback()
+        restored, kept = self.reload.abort(self.model_config)
+        if kept:
+            version = f" of version {self.version!r}" if self.version else ""
+            self.mixed = (
+                f"the weights are not whole: a weight update{version} failed after {kept} "
+                "layer(s) had taken new weights (on_failure=hold); generation is refused "
+                "until a weight update completes"
+            )
+        self._end(completed=False)
+        if restored:
+            return f"model unchanged (the old weights were restored in {restored} layer(s))"
+        return self._whole()
+
+    def _whole(self) -> str:
+        if self.mixed:
+            return f"{self.mixed} (still, from an earlier failed update)"
+        return "model unchanged"
+
+    def _end(self, completed: bool) -> None:
+        """An update ended: give the receive pool back (and, after a completed update with no
+        collective possibly queued, the device's cached blocks), drop the guard unless the
+        weights are not whole."""
+        self.version = None
+        self._set_guard()
+        allocated, peak = self.pool.end_update()
+        if allocated and completed and time.monotonic() >= self.device_busy_until:
+            self.hw.empty_cache()  # a device-wide sync: never behind a hung collective
+        logger.info(
+            "receive pool: %.1f MiB allocated by this update, peak %.1f MiB (bound %.1f MiB)",
+            allocated / 2**20,
+            peak / 2**20,
+            self.pool.max_bytes / 2**20,
+        )
+
+    def _set_guard(self) -> None:
+        """The forward pre-hook is on while an update is open or the weights are not whole."""
+        wanted = self.state is not State.IDLE and self.state is not State.CANCELLED
+        if (wanted or self.mixed) and self._guard is None:
+            self._guard = self.model.register_forward_pre_hook(self._forward)
+        elif not (wanted or self.mixed) and self._guard is not None:
+            self._guard.remove()
+            self._guard = None
+
+    def _forward(self, module, args) -> None:
+        """A forward pass while an update is open cancels it first (no token comes from
+        half-loaded layers); on weights that are not whole it is refused."""
+        if self.state in (State.OPEN, State.RECEIVED):
+            self.cancel(
+                "generation ran while it was open: pause generation (/pause) before "
+                "start_weight_update"
+            )
+        if self.mixed:
+            raise RuntimeError(f"refusing to run the model: {self.mixed}")
+
+    def _check_base(self) -> None:
+        """Forget a delta base the model no longer matches (a reload, a level-2 sleep)."""
+        base = self.base
+        if base is None or base.version is None:
+            return
+        if fingerprint(self.model) != base.model_fingerprint:
+            logger.warning(
+                "the weights changed since delta base %r: the next update must send every "
+                "tensor whole",
+                base.version,
+            )
+            base.drop()
+
+
+def weights_not_whole(worker) -> str | None:
+    """Run on a worker (``collective_rpc``): why its weights must not run now, or None."""
+    session = getattr(getattr(worker, "weight_transfer_engine", None), "session", None)
+    return session.not_whole() if isinstance(session, UpdateSession) else None
