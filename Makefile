@@ -57,7 +57,7 @@ clean:
 # not installed: PYTHONPATH=.
 bench: $(STAMP)
 	@# Every script runs, even after one reports a target NOT met; make fails at the end.
-	@status=0; for b in weight_sync delta_sync ipc_sync sleep_wake scheduler_overhead \
+	@status=0; for b in weight_sync ipc_sync sleep_wake scheduler_overhead \
 	    pause_latency scale_out; do \
 	    echo "== benchmarks/$$b.py"; PYTHONPATH=. $(BIN)/python benchmarks/$$b.py || status=1; \
 	done; exit $$status

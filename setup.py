@@ -8,9 +8,7 @@ links ``libascendcl`` with an rpath to that toolkit; set ``VLLM_ASCEND_RL_NO_ACL
 host-only extension (for example a wheel built on a machine with another CANN). vLLM,
 vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the user's
 Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
-
-A second extension, ``vllm_ascend_rl._host`` (host kernels: the delta diff and scatter, the
-multi-threaded staging copy), is plain C++ and always built.
+It also holds the CPU stand-in's multi-threaded staging copy (``host_copy``).
 """
 
 import os
@@ -33,7 +31,12 @@ def cann_root() -> str | None:
 
 
 def vmm_extension() -> Extension:
-    sources = ["csrc/vmm_module.cpp", "csrc/vmm_entry.cpp", "csrc/vmm_host.cpp"]
+    sources = [
+        "csrc/vmm_module.cpp",
+        "csrc/vmm_entry.cpp",
+        "csrc/vmm_host.cpp",
+        "csrc/host_copy.cpp",
+    ]
     kwargs = {
         "include_dirs": ["csrc"],
         "define_macros": [],
@@ -62,17 +65,6 @@ def vmm_extension() -> Extension:
     )
 
 
-def host_extension() -> Extension:
-    return Extension(
-        "vllm_ascend_rl._host",
-        sources=["csrc/host_module.cpp", "csrc/delta_scan.cpp", "csrc/host_copy.cpp"],
-        include_dirs=["csrc"],
-        language="c++",
-        extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wextra", "-pthread"],
-        extra_link_args=["-pthread"],
-    )
-
-
 setup(
     name="vllm-ascend-rl",
     version="0.1.0",
@@ -80,7 +72,7 @@ setup(
     "CANN VMM sleep mode, recompute scheduler), fully testable on CPU.",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
-    ext_modules=[vmm_extension(), host_extension()],
+    ext_modules=[vmm_extension()],
     install_requires=["requests", "safetensors", "tokenizers"],
     extras_require={
         # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`

@@ -62,7 +62,7 @@ class WeightSyncBenchExtension:
         t0 = time.perf_counter()
         session.start()
         try:
-            session.receive(None, None)
+            session.receive(None)
             for bucket, buf in kept:
                 session.load(bucket, buf)
             session.loaded()

@@ -10,7 +10,6 @@
 #include <thread>
 #include <vector>
 
-#include "host_kernels.h"
 #include "py_args.h"
 
 namespace {
@@ -36,11 +35,9 @@ void parallel_copy(unsigned char* dst, const unsigned char* src, uint64_t n, uin
 
 }  // namespace
 
-namespace host_kernels {
-
-// copy(dst, src, nbytes, threads): addresses of host memory that the caller owns and checked
-// (contiguous, at least nbytes, not overlapping).
-PyObject* py_copy(PyObject*, PyObject* args) {
+// host_copy(dst, src, nbytes, threads): addresses of host memory that the caller owns and
+// checked (contiguous, at least nbytes, not overlapping). In _C's method table (vmm_module.cpp).
+PyObject* py_host_copy(PyObject*, PyObject* args) {
   uint64_t dst, src, n, threads;
   if (!PyArg_ParseTuple(args, "O&O&O&O&", to_u64, &dst, to_u64, &src, to_u64, &n, to_u64,
                         &threads)) {
@@ -60,5 +57,3 @@ PyObject* py_copy(PyObject*, PyObject* args) {
   Py_END_ALLOW_THREADS
   Py_RETURN_NONE;
 }
-
-}  // namespace host_kernels

@@ -1,5 +1,4 @@
-// Argument converters shared by the extension modules (vmm_module.cpp; delta_scan.cpp and
-// host_copy.cpp of _host).
+// Argument converters shared by the extension's modules (vmm_module.cpp, host_copy.cpp).
 #pragma once
 
 #define PY_SSIZE_T_CLEAN

@@ -15,6 +15,8 @@
 #include "vmm.h"
 #include "vmm_table.h"
 
+PyObject* py_host_copy(PyObject*, PyObject* args);  // host_copy.cpp
+
 namespace {
 
 PyObject* g_vmm_error = nullptr;
@@ -262,6 +264,8 @@ PyObject* py_table_retag(PyObject*, PyObject* args) {
 }
 
 PyMethodDef kMethods[] = {
+    {"host_copy", py_host_copy, METH_VARARGS,
+     "host_copy(dst, src, nbytes, threads): memcpy on up to `threads` threads, GIL released"},
     {"backends", py_backends, METH_NOARGS, "Names of the VMM back ends built in."},
     {"maps_zeroed", py_maps_zeroed, METH_VARARGS,
      "maps_zeroed(backend) -> whether fresh physical memory reads as zero"},

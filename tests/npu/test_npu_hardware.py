@@ -58,11 +58,12 @@ HCCL_RANK = """
     import sys, time, torch, torch_npu
     from vllm_ascend_rl.device import current_device
     from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
+    from vllm_ascend_rl.weight_transfer.wire import Verdict
     port, rank = int(sys.argv[1]), int(sys.argv[2])
     torch.npu.set_device(0)
     dev = current_device()
     ch = BroadcastChannel.open(dev, "127.0.0.1", port, rank, 2, int(sys.argv[3]))
-    assert ch.agree(2, 7, "probe") == (2, True)  # Verdict.GO
+    assert ch.agree(Verdict.GO, 7, "probe") == (Verdict.GO, True)
     want = torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8)
     t = (want if rank == 0 else torch.zeros_like(want)).to(dev.torch_device())
     ch.wait(ch.broadcast(t), "payload")

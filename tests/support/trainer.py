@@ -146,19 +146,10 @@ class TrainerProcess:
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))
 
-    def step(self, share: float, seed: int = 0) -> None:
-        """A training step's worth of change: about ``share`` of every tensor's elements move,
-        the rest stay bit-identical (as most bf16 elements do after one RL step)."""
-        self.request("step", share=share, seed=seed)
-
     def registered_engines(self) -> dict[str, list[str]]:
         """The names in vLLM's weight-transfer factories of this process, which ran every
         general plugin as a vLLM process does: ``{"engine": [...], "trainer": [...]}``."""
         return self.request("registered_engines")
-
-    def save(self, target: str | os.PathLike) -> str:
-        """Write the weights the trainer holds as a checkpoint (a reference for tests)."""
-        return self.request("save", path=str(target))
 
     def wait_exit(self, timeout_s: float = 60) -> int:
         return self.proc.wait(timeout_s)
@@ -287,13 +278,6 @@ def _serve(model_path: str) -> None:
                         load_file(os.path.join(msg["path"], "model.safetensors")), strict=True
                     )
                 reply(True)
-            elif cmd == "step":
-                gen = torch.Generator().manual_seed(msg["seed"])
-                with torch.no_grad():
-                    for p in model.parameters():
-                        moved = (torch.rand(p.shape, generator=gen) < msg["share"]).to(p.device)
-                        p.add_(torch.where(moved, p.abs().clamp_min(1e-2) / 2, 0))
-                reply(True)
             elif cmd == "registered_engines":
                 from vllm.distributed.weight_transfer.factory import (
                     WeightTransferEngineFactory,
@@ -307,15 +291,6 @@ def _serve(model_path: str) -> None:
                         "trainer": sorted(WeightTransferTrainerFactory._registry),
                     },
                 )
-            elif cmd == "save":
-                import shutil
-
-                from safetensors.torch import save_file
-
-                shutil.copytree(model_path, msg["path"])
-                state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-                save_file(state, os.path.join(msg["path"], "model.safetensors"), {"format": "pt"})
-                reply(True, msg["path"])
             elif cmd == "init":
                 if msg["url"] in engines:
                     engines.pop(msg["url"]).shutdown()

@@ -53,7 +53,7 @@ def test_broadcast_reaches_every_rank():
     assert run_ranks(3, body) == [list(range(10))] * 3
 
 
-GO, STALE, NO = Verdict.GO, Verdict.STALE_BASE, Verdict.REFUSED
+GO, NO = Verdict.GO, Verdict.REFUSED
 
 
 @pytest.mark.parametrize(
@@ -61,8 +61,7 @@ GO, STALE, NO = Verdict.GO, Verdict.STALE_BASE, Verdict.REFUSED
     [
         ([GO, GO], [7, 7], (GO, True)),
         ([GO, NO], [7, 7], (NO, True)),  # a refusal reaches both sides
-        ([GO, STALE], [7, 7], (STALE, True)),  # so does its cause, as a code
-        ([STALE, NO], [7, 7], (NO, True)),  # the lowest code wins
+        ([NO, GO], [7, 9], (NO, False)),  # from either side
         ([GO, GO], [7, 9], (GO, False)),  # disagreeing plans or wire parameters are detected
     ],
 )

@@ -50,7 +50,7 @@ def _engine(cls, info):
     engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
     engine.init_info = info
     buckets = (info.packed_num_buffers + 2) * info.packed_buffer_size_bytes
-    engine.session.configure(info.on_failure, info.delta, buckets)
+    engine.session.configure(info.on_failure, buckets)
     return engine
 
 

@@ -39,7 +39,7 @@ class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module d
 
 def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSession:
     s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), workers_on_host=1)
-    s.configure("hold" if hold else "restore", delta=False, pool_bytes=1 << 20)
+    s.configure("hold" if hold else "restore", pool_bytes=1 << 20)
     s.reload = RecordingReload(kept, restored)
     return s
 
@@ -47,7 +47,7 @@ def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSessi
 def fire(s: UpdateSession, event: Event) -> None:
     {
         Event.START: s.start,
-        Event.RECEIVE: lambda: s.receive("v2", None),
+        Event.RECEIVE: lambda: s.receive("v2"),
         Event.LOADED: s.loaded,
         Event.FINISH: s.finish,
         Event.FAIL: s.fail,
@@ -120,7 +120,7 @@ def test_a_forward_pass_during_an_open_update_cancels_it_and_finish_ends_it():
     assert s.state is State.CANCELLED and s.reload.calls == ["abort"]
     assert "generation ran while it was open" in s.cancelled
     with pytest.raises(IllegalTransition, match="generation ran while it was open"):
-        s.receive("v2", None)  # update_weights learns why
+        s.receive("v2")  # update_weights learns why
     s.finish()
     assert s.state is State.IDLE and s._guard is None
 
@@ -137,7 +137,7 @@ def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
     s = session(hold=True, kept=2)
     s.start()
     assert s.reload.calls == ["begin(keep_old=False)"]  # no backup of the old weights
-    s.receive("v2-partial", None)
+    s.receive("v2-partial")
     assert "loading (on_failure=hold)" in s.not_whole()  # a resume now would mix versions
     state = s.fail()
     assert "of version 'v2-partial' failed after 2 layer(s)" in state

@@ -36,9 +36,9 @@ COPY_THREADS = min(4, os.cpu_count() or 1)
 
 @cache
 def _host_kernels():
-    from vllm_ascend_rl import _host
+    from vllm_ascend_rl import _C
 
-    return _host
+    return _C
 
 
 class CpuDevice(Device):
@@ -88,7 +88,7 @@ class CpuDevice(Device):
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
                 raise ValueError(f"copy_bytes: {src.numel()} bytes into {n}")
-            _host_kernels().copy(dst.data_ptr(), src.data_ptr(), n, COPY_THREADS)
+            _host_kernels().host_copy(dst.data_ptr(), src.data_ptr(), n, COPY_THREADS)
         else:
             dst.numpy()[:] = src.numpy()
 

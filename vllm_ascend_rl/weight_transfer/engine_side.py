@@ -22,7 +22,6 @@ import torch
 
 from vllm_ascend_rl.device import Device, device_for, worker_index
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
-from vllm_ascend_rl.weight_transfer.delta import DeltaRefused, wire_specs
 from vllm_ascend_rl.weight_transfer.session import UpdateSession
 from vllm_ascend_rl.weight_transfer.validation import (
     WeightUpdateRefused,
@@ -67,25 +66,14 @@ def check_receive_call(legacy: dict[str, Any]) -> None:
 
 def vet_update(
     engine: Any, info: CheckpointUpdateInfo, wire: WireParams
-) -> tuple[Verdict, str | None, list[TensorSpec]]:
-    """The engine's verdict on an update's metadata, the reason if not GO, and the tensors on
-    the wire (the specs, or their delta encoding)."""
-    specs = info.specs
+) -> tuple[Verdict, str | None]:
+    """The engine's verdict on an update's metadata, and the reason if it is not GO."""
     try:
         packed_modules = getattr(engine.model, "packed_modules_mapping", None)
-        validate_update(specs, expected_for(engine), wire.validation, packed_modules)
-        if info.nnz is None:
-            return Verdict.GO, None, specs
-        base = engine.session.base
-        if base is None:
-            raise WeightUpdateRefused("this engine was initialized without delta=True")
-        wire_tensors = wire_specs(specs, info.nnz)
-        base.check(specs, info.nnz, info.base_version)
+        validate_update(info.specs, expected_for(engine), wire.validation, packed_modules)
     except WeightUpdateRefused as e:
-        return Verdict.REFUSED, str(e), specs
-    except DeltaRefused as e:
-        return Verdict.STALE_BASE if e.stale else Verdict.REFUSED, str(e), specs
-    return Verdict.GO, None, wire_tensors
+        return Verdict.REFUSED, str(e)
+    return Verdict.GO, None
 
 
 def expected_for(engine: Any):

@@ -145,7 +145,6 @@ class AscendRLHCCLWeightTransferEngine(
         self.channel, self.init_info = channel, init_info
         self.session.configure(
             init_info.on_failure,
-            init_info.delta,
             (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
         )
         logger.info(
@@ -181,8 +180,9 @@ class AscendRLHCCLWeightTransferEngine(
     def receive_weights(self, update_info: AscendRLHCCLWeightTransferUpdateInfo, **legacy):
         check_receive_call(legacy)
         self._require_connected()
-        self.session.receive(update_info.weight_version, update_info.delta_version)
-        verdict, reason, specs = vet_update(self, update_info, self.init_info)
+        self.session.receive(update_info.weight_version)
+        verdict, reason = vet_update(self, update_info, self.init_info)
+        specs = update_info.specs
         plan = plan_for(self.init_info, specs, DIRECT_BYTES)
         self._agree(verdict, reason, plan)
         load_buckets(self.session, self._buckets(plan), specs, self._disconnect)

@@ -25,7 +25,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
 )
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
-from vllm_ascend_rl.weight_transfer.delta import TrainerBase
 from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferInitInfo,
@@ -60,7 +59,6 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     ) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
-        self.base = TrainerBase() if init_info.delta and self.is_sender else None
         # Read once, here: on NPU the current device is per thread, and the rendezvous and
         # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
         self.hw = current_device(cpu_chip=init_info.rank)
@@ -170,7 +168,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
 
         for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
             slot = None if bucket.oversized else i % depth
-            if slot is None:  # from itself (a delta's host-side indices go to the device)
+            if slot is None:  # sent from its own memory (on the device)
                 send = as_bytes(tensors[0].to(self.hw.torch_device()))
             else:
                 while any(entry[3] == slot for entry in in_flight):  # free before reuse

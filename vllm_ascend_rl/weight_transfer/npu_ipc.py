@@ -152,7 +152,6 @@ class AscendRLNPUIPCWeightTransferEngine(
         self.doorbell, self.init_info = doorbell, init_info
         self.session.configure(
             init_info.on_failure,
-            init_info.delta,
             (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
         )
         logger.info(
@@ -187,8 +186,9 @@ class AscendRLNPUIPCWeightTransferEngine(
     def receive_weights(self, update_info: AscendRLNPUIPCWeightTransferUpdateInfo, **legacy):
         check_receive_call(legacy)
         self._require_connected()
-        self.session.receive(update_info.weight_version, update_info.delta_version)
-        verdict, reason, specs = vet_update(self, update_info, self.init_info)
+        self.session.receive(update_info.weight_version)
+        verdict, reason = vet_update(self, update_info, self.init_info)
+        specs = update_info.specs
         plan = plan_for(self.init_info, specs, None)
         self._agree(verdict, reason, plan, update_info)
         load_buckets(self.session, self._buckets(plan), specs, self._disconnect)

@@ -44,7 +44,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
-from vllm_ascend_rl.weight_transfer.delta import TrainerBase
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
@@ -158,7 +157,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     ) -> None:
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
-        self.base = TrainerBase() if init_info.delta and self.is_sender else None
         # Read once, here (the current device is per thread on NPU); a CPU rank emulates a chip.
         self.hw = current_device(cpu_chip=init_info.rank)
         self.doorbells: list[Doorbell] = []  # this rank's engine workers
@@ -203,9 +201,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         if len(set(chips)) != len(chips):
             listener.close()
             raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
-        if info.delta and len(ranks) > 1:  # each rank would need the sender's verdict
-            listener.close()
-            raise ValueError("delta=True needs a single NPU-IPC trainer rank for now")
         worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
             **wire_params(info),

@@ -12,12 +12,6 @@ def storage_use_count(t: torch.Tensor) -> int | None:
     return None if fn is None else fn(t.untyped_storage()._cdata)
 
 
-def sole_owner(t: torch.Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its storage (False when torch cannot tell)."""
-    count = storage_use_count(t)
-    return count is not None and count <= storage_use_count(torch.empty(1))
-
-
 class ReceivePool:
     """Landing buffers for received buckets, recycled once nothing references them.
 

@@ -19,7 +19,7 @@ them is an :class:`Event` here, and :data:`TRANSITIONS` says where each leads::
   by the plugin scheduler at every resume) until an update completes.
 
 The session owns everything an open update holds: vLLM's layerwise reload and the backup of the
-old weights, the receive pool, the forward guard and, with ``delta=True``, the host base.
+old weights, the receive pool and the forward guard.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import torch
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, unpack_views
-from vllm_ascend_rl.weight_transfer.delta import EngineBase, fingerprint
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 
@@ -89,7 +88,6 @@ class UpdateSession:
         self.workers_on_host = workers_on_host
         self.state = State.IDLE
         self.hold = False  # on_failure="hold": no backup of the old weights
-        self.base: EngineBase | None = None  # delta=True: the weights the engine holds
         self.reload = LayerwiseReload()
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
@@ -100,11 +98,9 @@ class UpdateSession:
         # sync such as empty_cache would wait behind it (see HCCL's disconnect).
         self.device_busy_until = 0.0
 
-    def configure(self, on_failure: str, delta: bool, pool_bytes: int) -> None:
+    def configure(self, on_failure: str, pool_bytes: int) -> None:
         """Apply a new init's parameters (no update is open: init cancels it first)."""
         self.hold = on_failure == "hold"
-        if delta and self.base is None:
-            self.base = EngineBase()
         self.pool.release()
         self.pool.max_bytes = pool_bytes
 
@@ -129,7 +125,6 @@ class UpdateSession:
         unless ``hold``) and guard the forward pass."""
         if self.state is not State.IDLE:
             raise IllegalTransition(self._illegal(Event.START))
-        self._check_base()
         self.reload.begin(
             self.model,
             self.model_config,
@@ -140,12 +135,10 @@ class UpdateSession:
         self.cancelled = None
         self._set_guard()
 
-    def receive(self, version: str | None, delta_version: str | None) -> None:
+    def receive(self, version: str | None) -> None:
         """``update_weights`` begins (before its handshake)."""
         self._go(Event.RECEIVE)
         self.version = version
-        if self.base is not None:
-            self.base.begin(delta_version or version)
 
     def load(self, bucket: Bucket, buf: torch.Tensor) -> None:
         """Load one received bucket through layerwise reload (its views may stay referenced
@@ -155,9 +148,8 @@ class UpdateSession:
         )
 
         assert self.state is State.RECEIVING, self.state
-        views = unpack_views(buf, bucket)
         with disable_mtp_completeness_check():
-            self.model.load_weights(views if self.base is None else self.base.stage(views))
+            self.model.load_weights(unpack_views(buf, bucket))
 
     def loaded(self) -> None:
         self._go(Event.LOADED)
@@ -172,8 +164,6 @@ class UpdateSession:
         else:
             self.reload.finish(self.model_config)
             self.mixed = None
-            if self.base is not None:
-                self.base.commit(self.model)
             self._end(completed=True)
 
     def fail(self) -> str:
@@ -201,8 +191,6 @@ class UpdateSession:
     # -- actions -----------------------------------------------------------------------
     def _abort(self) -> str:
         """Undo the open update's reload; what the model holds now."""
-        if self.base is not None:
-            self.base.rollback()
         restored, kept = self.reload.abort(self.model_config)
         if kept:
             version = f" of version {self.version!r}" if self.version else ""
@@ -256,19 +244,6 @@ class UpdateSession:
             )
         if self.mixed:
             raise RuntimeError(f"refusing to run the model: {self.mixed}")
-
-    def _check_base(self) -> None:
-        """Forget a delta base the model no longer matches (a reload, a level-2 sleep)."""
-        base = self.base
-        if base is None or base.version is None:
-            return
-        if fingerprint(self.model) != base.model_fingerprint:
-            logger.warning(
-                "the weights changed since delta base %r: the next update must send every "
-                "tensor whole",
-                base.version,
-            )
-            base.drop()
 
 
 def weights_not_whole(worker) -> str | None:

@@ -23,7 +23,6 @@ from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSo
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
-from vllm_ascend_rl.weight_transfer.delta import DeltaPlan, TrainerBase, wire_specs
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 from vllm_ascend_rl.weight_transfer.wire import Verdict, WireParams, plan_for
 
@@ -33,10 +32,6 @@ Pairs = Iterator[tuple[str, Any]]
 
 class WeightSyncError(RuntimeError):
     """A weight sync failed; the message says which side failed and why."""
-
-
-class StaleBase(WeightSyncError):
-    """The engine does not hold the delta base the update referred to (Verdict.STALE_BASE)."""
 
 
 # Failures of the connection itself (as opposed to bugs in the caller's weight source).
@@ -208,7 +203,6 @@ class Transport(Protocol):
     client: VLLMWeightSyncClient
     source: WeightSource
     is_sender: bool
-    base: TrainerBase | None  # delta=True: what the engine holds
     alone_bytes: int | None  # see plan_for
 
     def not_ready(self) -> str | None:
@@ -257,80 +251,41 @@ def send_update(t: Transport, weight_version: str | None, progress: bool | None)
 
 def _send(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
     specs = source_specs(t.source)
+    plan = plan_for(t.init_info, specs, t.alone_bytes)
     if not t.is_sender:
-        plan = plan_for(t.init_info, specs, t.alone_bytes)
         t.follow(specs, plan)
         return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
     reason = t.not_ready()
     if reason:
         raise WeightSyncError(f"weight transfer is not usable ({reason}): call trainer_init again")
     started = time.perf_counter()
-    delta = None if t.base is None else t.base.encode(iter(t.source))
-    try:
-        return _transfer(t, specs, delta, weight_version, progress, started)
-    except StaleBase as e:
-        if delta is None or delta.base_version is None:
-            raise
-        # The engine's base is not ours (it restarted, or its weights were reloaded):
-        # refused before any byte moved; send every tensor whole once.
-        logger.warning("sending whole tensors: %s", e)
-        return _transfer(t, specs, t.base.whole(delta), weight_version, progress, started)
-
-
-def _transfer(
-    t: Transport,
-    specs: list[TensorSpec],
-    delta: DeltaPlan | None,
-    weight_version: str | None,
-    progress: bool | None,
-    started: float,
-) -> SyncResult:
-    """One update of ``specs`` (whole, or as ``delta`` encoded them)."""
-    wire = specs if delta is None else wire_specs(specs, delta.nnz)
-    plan = plan_for(t.init_info, wire, t.alone_bytes)
-    nbytes, timeout_s = total_bytes(wire), t.init_info.timeout_s
+    nbytes, timeout_s = total_bytes(specs), t.init_info.timeout_s
     try:
         payload = t.payload(specs, plan)  # before the engine opens an update
-        if weight_version is not None:
-            payload["weight_version"] = weight_version
-        if delta is not None:
-            payload.update(delta.payload)
     except TRANSPORT_ERRORS as e:
         t.abort()
         raise WeightSyncError(f"preparing the update failed: {e}") from e
+    if weight_version is not None:
+        payload["weight_version"] = weight_version
     update = _open_update(t, plan, payload)
     bar = Progress(nbytes, progress, "weights -> engine")
     try:
-        t.send(plan, iter(t.source) if delta is None else delta.wire_pairs(), update, bar)
+        t.send(plan, iter(t.source), update, bar)
         transfer_s = bar.close()
-        if delta is not None:  # while the engine still loads; undone if it fails
-            t.base.apply(delta)
         update.result(timeout_s)
     except BaseException as e:
         t.abort()  # the engine notices at once instead of after its timeout
-        _rollback(t)
         if not isinstance(e, TRANSPORT_ERRORS):
             raise
         reason = update.failure(min(timeout_s, 30.0))
         raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
     finally:
         bar.close()
-    try:
-        call("finish_weight_update", t.client.finish_weight_update, weight_version)
-    except BaseException:
-        _rollback(t)
-        raise
+    call("finish_weight_update", t.client.finish_weight_update, weight_version)
     t.succeeded()
-    if delta is not None:
-        t.base.commit()
     return SyncResult(
         nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
     )
-
-
-def _rollback(t: Transport) -> None:
-    if t.base is not None:
-        t.base.rollback()
 
 
 def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundCall:
@@ -347,13 +302,10 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
     except TRANSPORT_ERRORS as e:
         t.abort()
         raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
-    if verdict == Verdict.GO:
-        return update
-    # Refused before any byte moved; the connection stays usable.
-    reason = update.failure(t.init_info.timeout_s)
-    if verdict == Verdict.STALE_BASE:
-        raise StaleBase(reason or "the engine holds another delta base")
-    raise WeightSyncError(f"engine refused the update: {reason}")
+    if verdict != Verdict.GO:  # refused before any byte moved; the connection stays usable
+        reason = update.failure(t.init_info.timeout_s)
+        raise WeightSyncError(f"engine refused the update: {reason}")
+    return update
 
 
 def require_paused(client: Any) -> None:

@@ -56,8 +56,7 @@ class WireParams:
     - ``on_failure``: ``"restore"`` keeps a host copy of the old weights for the update's
       duration and puts it back on failure; ``"hold"`` keeps none, and a failed update leaves
       generation refused until a complete update (docs/failure-semantics.md);
-    - ``validation``: ``"partial"`` lets an update omit whole layers, ``"complete"`` does not;
-    - ``delta``: send only the elements that changed (a host copy on both sides; delta.py).
+    - ``validation``: ``"partial"`` lets an update omit whole layers, ``"complete"`` does not.
     """
 
     packed: bool = True
@@ -66,7 +65,6 @@ class WireParams:
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] = 120.0
     on_failure: Literal["restore", "hold"] = "restore"
     validation: Literal["partial", "complete"] = "partial"
-    delta: bool = False
 
 
 WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
@@ -131,8 +129,7 @@ class Verdict(IntEnum):
     minimum, and the NPU-IPC trainer takes the minimum of its ranks' and workers' answers."""
 
     REFUSED = 0  # the metadata does not fit a side (the reason is in its HTTP answer)
-    STALE_BASE = 1  # delta: the engine does not hold the base the update refers to
-    GO = 2
+    GO = 1
 
 
 @wire_dataclass
@@ -140,22 +137,16 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     """One update's metadata, in the order the trainer sends the tensors.
 
     ``weight_version``: the version being loaded, so that a failed update can say which one is
-    partly loaded. Delta updates (``delta=True`` at init): per tensor the number of changed
-    elements sent (-1: whole), the base they refer to, and the version they make.
+    partly loaded.
     """
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
     weight_version: str | None = None
-    nnz: list[int] | None = None
-    base_version: str | None = None
-    delta_version: str | None = None
 
     def __post_init__(self) -> None:
         _ = self.specs  # malformed metadata is refused at construction, as vLLM's infos are
-        if self.nnz is not None and len(self.nnz) != len(self.names):
-            raise ValueError(f"nnz has {len(self.nnz)} entries for {len(self.names)} tensors")
 
     @cached_property
     def specs(self) -> list[TensorSpec]:
