@@ -25,8 +25,8 @@ from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.streams import settled
 from tests.support.trainer import TrainerError
+from tests.support.vllm_features import has_weight_version_spans, scale_out_flags
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.compat import has_weight_version_spans, scale_out_flags
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -21,8 +21,8 @@ from tests.support.profile import trainer_env
 from tests.support.sleep_servers import leave_awake, sleepable_server
 from tests.support.tiny_model import parameter_shapes
 from tests.support.trainer import TrainerProcess
+from tests.support.vllm_features import has_route, sleep_route_validates_level
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.compat import has_route, sleep_route_validates_level
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 

@@ -28,8 +28,8 @@ from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
+from tests.support.vllm_features import has_route
 from vllm_ascend_rl.client import EngineControlClient
-from vllm_ascend_rl.compat import has_route
 
 PROBE = "Weights under test:"
 UNKNOWN = "model.norm.weight_unknown"

@@ -16,8 +16,8 @@ from tests.support import (
     greedy_token_ids,
 )
 from tests.support.sleep_servers import leave_awake, sleepable_server
+from tests.support.vllm_features import has_route
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-from vllm_ascend_rl.compat import has_route
 
 pytestmark = [
     pytest.mark.e2e,
