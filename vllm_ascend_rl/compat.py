@@ -18,7 +18,7 @@ feature, never by version string; the tests' probes are in ``tests/support/vllm_
   ``sleep_mode_backend`` property in 0.32): unused; both workers build ours through
   ``SleepModeBackendFactory.create_backend`` (``attach_sleep_backend``).
 
-Upstream internals (35, 7 NPU only): names outside upstream's exports (a leading underscore,
+Upstream internals (34, 7 NPU only): names outside upstream's exports (a leading underscore,
 or a module no package ``__all__`` exports) and attributes of upstream objects that are not
 API. Each entry: ``key``: what -- where we use it -- why. ``test_<key>`` in
 ``tests/unit/test_upstream_internals.py`` guards it on both vLLM legs ("+": other tests that
@@ -98,8 +98,6 @@ vLLM, workers and sleep:
   worker/npu_worker.py -- ``/weight_checker`` on NPU (+ test_npu_worker.py, stand-in)
 - ``sleep_mode_backend``: ``ModelConfig.sleep_mode_backend`` (no CLI flag) assigned after
   construction -- worker/__init__.py:attach_sleep_backend -- select ``ascend_rl_camem``
-- ``backend_state``: ``SleepModeBackend._state`` -- sleep/backend.py:CaMemSleepBackend --
-  what ``state()`` reports
 
 torch and the standard library:
 

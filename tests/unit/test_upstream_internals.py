@@ -586,20 +586,6 @@ def test_sleep_mode_backend(tiny_model):
     assert model_config.sleep_mode_backend == CAMEM_BACKEND
 
 
-def test_backend_state():
-    from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
-
-    backend = CaMemSleepBackend()
-    assert getattr(backend, "_state", None) == "RUNNING", (
-        "vLLM's SleepModeBackend no longer keeps its state in _state: sleep/backend.py writes it"
-    )
-    backend._state = "SUSPENDED"
-    assert backend.state() == "SUSPENDED", (
-        "vLLM's SleepModeBackend.state() no longer reports _state: sleep/backend.py's "
-        "suspend/resume/discard would not show"
-    )
-
-
 # -- torch and the standard library ------------------------------------------------------------
 def test_storage_use_count():
     from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count

@@ -26,21 +26,20 @@ class CaMemSleepBackend(SleepModeBackend):
         return self._allocator or CaMemAllocator.get_instance()
 
     def suspend(self, level: int = 1) -> None:
-        self._state = "SUSPENDED"
         self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
 
     def resume(self, tags: list[str] | None = None) -> None:
-        self._state = "RESUMING"
         self.allocator.wake_up(tags)
-        self._state = (
-            "RUNNING"
-            if all(self.allocator.is_awake(t) for t in self.allocator.tags())
-            else "SUSPENDED"
-        )
 
     def discard(self, tags: tuple[str, ...]) -> None:
         self.allocator.discard(tags)
-        self._state = "SUSPENDED"
+
+    def state(self) -> str:
+        """``RUNNING`` while every tag is resident (also before the allocator exists)."""
+        allocator = self._allocator or CaMemAllocator._instance
+        if allocator is None or all(allocator.is_awake(t) for t in allocator.tags()):
+            return "RUNNING"
+        return "SUSPENDED"
 
     @classmethod
     def preserves_communicators(cls) -> bool:

@@ -54,8 +54,8 @@ class ChipCPUWorker(CPUWorker):
             ChipMemory(host_chip(index)), self.cache_config.gpu_memory_utilization
         )
 
-    def load_model(self) -> None:
-        super().load_model()
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
         self.chip_memory.chip.record(_weight_bytes(self))
 
     def determine_available_memory(self) -> int:
