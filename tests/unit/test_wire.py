@@ -77,8 +77,13 @@ def test_the_signature_covers_every_wire_parameter(field, other):
 
 
 def _engine() -> AscendRLHCCLWeightTransferEngine:
+    from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
+
     parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
-    config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    scheduler = types.SimpleNamespace(get_scheduler_cls=lambda: RecomputeScheduler)
+    config = types.SimpleNamespace(
+        parallel_config=parallel, model_config=None, scheduler_config=scheduler
+    )
     return AscendRLHCCLWeightTransferEngine(
         None, config, torch.device("cpu"), torch.nn.Linear(2, 2)
     )
@@ -88,7 +93,7 @@ def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
     """The engine's real init against a trainer rank that signed timeout_s=60: the engine
     refuses, and neither side broadcast anything."""
     trainer_info = HCCLTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=2)
-    port_holder: dict = {}
+    seen: dict = {}
 
     def body(ch):
         if ch.rank == 0:
@@ -106,11 +111,11 @@ def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
         )
         with pytest.raises(ValueError, match="disagree on the weight-transfer protocol"):
             engine.init_transfer_engine(engine_info)
-        port_holder["channel"] = engine.channel
+        seen["channel"] = engine.channel
         return ch.broken
 
     same, broken = run_ranks(2, body)
-    assert same is False and port_holder["channel"] is None and broken == "closed"
+    assert same is False and seen["channel"] is None and broken == "closed"
 
 
 def test_an_update_whose_plan_differs_is_refused_before_any_byte():

@@ -57,6 +57,21 @@ def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSessi
     return hw, session
 
 
+def check_init(vllm_config: Any, wire: WireParams) -> None:
+    """Refusals that need this engine's config, before any rendezvous: ``hold`` relies on the
+    plugin scheduler to refuse ``/resume`` while the weights are not whole."""
+    from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
+
+    scheduler = vllm_config.scheduler_config.get_scheduler_cls()
+    if wire.on_failure == "hold" and not issubclass(scheduler, RecomputeScheduler):
+        raise ValueError(
+            f"on_failure='hold' needs the plugin scheduler to refuse /resume while the weights "
+            f"are not whole (this engine runs {scheduler.__name__}): start it with "
+            "--scheduler-cls vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler, "
+            "or use on_failure='restore'"
+        )
+
+
 def check_receive_call(legacy: dict[str, Any]) -> None:
     if "load_weights" in legacy:
         raise RuntimeError(LEGACY_WORKER)

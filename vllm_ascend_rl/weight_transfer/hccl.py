@@ -38,6 +38,7 @@ from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.engine_side import (
     TransferFailed,
+    check_init,
     check_receive_call,
     engine_setup,
     load_buckets,
@@ -110,6 +111,7 @@ class AscendRLHCCLWeightTransferEngine(
         self.channel: BroadcastChannel | None = None
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
+        check_init(self.vllm_config, init_info)
         rank = worker_index(self.parallel_config) + init_info.rank_offset
         if rank >= init_info.world_size:  # refused before any rendezvous: no wait
             raise ValueError(

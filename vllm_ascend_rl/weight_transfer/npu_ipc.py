@@ -44,6 +44,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_side import (
+    check_init,
     check_receive_call,
     engine_setup,
     load_buckets,
@@ -128,6 +129,7 @@ class AscendRLNPUIPCWeightTransferEngine(
         self._ring: list[ImportedBuffer] = []
 
     def init_transfer_engine(self, init_info: AscendRLNPUIPCWeightTransferInitInfo) -> None:
+        check_init(self.vllm_config, init_info)
         rank, here = worker_index(self.parallel_config), self.hw.location()
         address = init_info.doorbells.get(here["chip"])
         if address is None:
