@@ -149,3 +149,22 @@ def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
         fire(s, event)
     assert s.not_whole() is None and s._guard is None
     s.model(torch.zeros(1, 2))
+
+
+def test_hold_is_refused_at_init_without_the_plugin_scheduler():
+    """Only the plugin scheduler refuses /resume while the weights are not whole."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler
+    from vllm_ascend_rl.weight_transfer.engine_side import check_init
+    from vllm_ascend_rl.weight_transfer.wire import WireParams
+
+    def config(cls):
+        return SimpleNamespace(scheduler_config=SimpleNamespace(get_scheduler_cls=lambda: cls))
+
+    with pytest.raises(ValueError, match="needs the plugin scheduler"):
+        check_init(config(Scheduler), WireParams(on_failure="hold"))
+    check_init(config(Scheduler), WireParams())  # restore needs no scheduler of ours
+    check_init(config(AsyncRecomputeScheduler), WireParams(on_failure="hold"))
