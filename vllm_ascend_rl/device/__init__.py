@@ -1,9 +1,6 @@
-"""The one hardware seam: everything device-specific goes through a :class:`Device`.
-
-``cpu`` (gloo, shared memory, host virtual memory) is what CI exercises; ``npu`` (HCCL,
-torch_npu IPC, CANN VMM) lives in :mod:`vllm_ascend_rl.device.npu`, which imports torch_npu
-lazily and only when an NPU device is asked for. Nothing outside this package calls torch_npu.
-"""
+"""The one hardware seam: everything device-specific goes through a :class:`Device`:
+``cpu`` (gloo, shared memory, host virtual memory; what CI runs) or ``npu`` (HCCL, torch_npu
+IPC, CANN VMM; imported only when asked for). Nothing outside this package calls torch_npu."""
 
 from __future__ import annotations
 
@@ -67,20 +64,18 @@ class ImportedBuffer:
 
 
 def ipc_buffer_id(segment: bytes, offset: int) -> str:
-    """The identity of an exported buffer: its segment's IPC handle *and* its offset in it.
-    An NPU IPC handle names the caching allocator's segment, not the block (the offset travels
-    beside it, torch_npu ``shareIpcHandle``), so blocks of one segment share a handle; torch
-    keys its own cache of opened handles on the pair too (``reductions.py:51-53`` in
-    torch_npu 2.10.0.post4)."""
+    """An exported buffer's identity: its segment's IPC handle *and* its offset. An NPU IPC
+    handle names the allocator's segment, not the block (torch_npu ``shareIpcHandle`` sends the
+    offset beside it), and torch_npu keys its cache of opened handles on the pair too
+    (``reductions.py:51-53``, 2.10.0.post4)."""
     import hashlib
 
     return hashlib.sha256(segment + b"@" + str(offset).encode()).hexdigest()[:32]
 
 
 def worker_index(parallel_config: Any) -> int:
-    """An engine worker's place among all engine workers (every DP rank's TP x PP workers),
-    as vLLM's own engines number them (nccl_common.py; vllm-ascend hccl_engine.py). On CPU it
-    is also the worker's emulated chip."""
+    """An engine worker's index among all DP x TP x PP engine workers, numbered as vLLM's
+    engines do (nccl_common.py; vllm-ascend hccl_engine.py); on CPU also its emulated chip."""
     return parallel_config.data_parallel_index * parallel_config.world_size + parallel_config.rank
 
 
@@ -118,10 +113,8 @@ class Device(ABC):
     collective_backend: str  # torch.distributed backend name for weight broadcasts
 
     def __init__(self, index: int = 0) -> None:
-        # The device this object serves: an NPU's logical index (the current device is per
-        # thread on NPU, so it is fixed here, never read ambiently later); on CPU an
-        # emulated chip number (one per engine worker or trainer rank), which only NPU-IPC's
-        # colocation check looks at.
+        # NPU: the logical index, fixed here because the current device is per thread.
+        # CPU: an emulated chip (one per engine worker or trainer rank) for IPC colocation.
         self.index = index
 
     @abstractmethod
@@ -131,8 +124,8 @@ class Device(ABC):
         """Wait for all work queued on this device by this process, collectives included."""
 
     def collective_issued(self, work: Any, exec_timeout_s: float) -> None:  # noqa: B027
-        """A collective was queued on this device; it stays queued until it completes or
-        ``exec_timeout_s`` passes. The NPU tracks this itself; the CPU stand-in records it."""
+        """A collective was queued; it stays queued until it completes or ``exec_timeout_s``
+        passes. The NPU tracks this itself; the CPU stand-in records it."""
 
     def empty_cache(self) -> None:  # noqa: B027 (nothing to do unless the device caches)
         """Return memory that the process's allocators cache but no longer use. Device-wide:
@@ -183,8 +176,8 @@ class Device(ABC):
     def group_backend(
         self, store: Any, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
-        """The collective backend of our weight-broadcast group, over ``store``; ``group_id``
-        is the same on every rank and names this rendezvous."""
+        """Our weight-broadcast group's backend over ``store``; ``group_id`` names the
+        rendezvous, the same on every rank."""
 
     def close_group(self, pg: ProcessGroup, broken: bool) -> None:
         """Release the group. ``broken``: a collective failed or timed out and may still be
@@ -206,8 +199,7 @@ def get_device(kind: str, index: int = 0) -> Device:
 
 
 def device_kind() -> str:
-    """``VLLM_ASCEND_RL_DEVICE`` if set, else ``npu`` when torch_npu is installed, else
-    ``cpu``."""
+    """``VLLM_ASCEND_RL_DEVICE``, else ``npu`` if torch_npu is installed, else ``cpu``."""
     kind = os.environ.get("VLLM_ASCEND_RL_DEVICE")
     if not kind:
         import importlib.util
@@ -217,8 +209,7 @@ def device_kind() -> str:
 
 
 def current_device(cpu_chip: int = 0) -> Device:
-    """This thread's device (read once, here): on NPU the current device, on CPU the
-    emulated chip ``cpu_chip``."""
+    """This thread's device, read once: the current NPU, or the emulated chip ``cpu_chip``."""
     kind = device_kind()
     if kind == "npu":
         from vllm_ascend_rl.device.npu import current_index
@@ -228,8 +219,7 @@ def current_device(cpu_chip: int = 0) -> Device:
 
 
 def device_for(torch_device: torch.device | str, cpu_chip: int = 0) -> Device:
-    """The :class:`Device` for a torch device vLLM handed us (``cpu`` or ``npu:N``); a CPU
-    worker emulates chip ``cpu_chip``."""
+    """The :class:`Device` for a torch device (``cpu`` or ``npu:N``); CPU is chip ``cpu_chip``."""
     kind, _, index = str(torch_device).partition(":")
     if kind == "cpu":
         return get_device(kind, cpu_chip)

@@ -79,11 +79,9 @@ class CpuDevice(Device):
         return GroupBackend(gloo, kind, kind, torch.device("cpu"))
 
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        # Not torch's copy_: it uses the OpenMP pool, which stalls for milliseconds per call
-        # when a co-located vLLM CPU worker holds the cores (measured: 1.6 ms vs 11 us per
-        # 32 KB tensor on 2 cores). Small copies: numpy's memcpy on the calling thread. Large
-        # ones: our memcpy on plain threads, since one thread does not reach the memory
-        # bandwidth (1 GB: 0.085 s on one thread, 0.047 s on two, on the CI host).
+        # Not torch's copy_: its OpenMP pool stalls for milliseconds per call while a colocated
+        # vLLM CPU worker holds the cores. Small copies: numpy's memcpy on this thread; large
+        # ones: _C.host_copy on plain threads, as one thread does not reach memory bandwidth.
         n = dst.numel()
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
@@ -117,9 +115,7 @@ class CpuDevice(Device):
 
     # -- IPC over POSIX shared memory ------------------------------------------------------
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
-        """A block carved from a shared segment, as torch_npu's caching allocator serves
-        ``torch.empty`` (see :class:`SegmentCarver`): the handle names the segment and carries
-        the block's offset separately, so several buffers can share one segment name."""
+        """A block of a shared segment; the handle carries its offset (:class:`SegmentCarver`)."""
         return self._carver.carve(nbytes, self.location())
 
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
@@ -146,14 +142,11 @@ class CpuDevice(Device):
 
 
 class QueuedCollectives:
-    """The stand-in for collectives queued on an NPU's HCCL stream. A gloo collective runs
-    on a host thread and gives up on a dead peer by itself; an HCCL one is a device task that
-    stays queued until it completes or the communicator's exec timeout passes, failed or not,
-    and a device-wide synchronize waits for it: ``torch.npu.synchronize`` and ``emptyCache``
-    (which starts with ``npuSynchronizeDevice``, NPUCachingAllocator.cpp:1651-1660 in
-    2.10.0.post4). So on CPU too, a collective that did not succeed holds :meth:`drain` until
-    its exec deadline. (The exit sync, ``npuSynchronizeUsedDevices``, waits the same way; the
-    stand-in does not make process exit wait.)"""
+    """Stand-in for collectives queued on an NPU's HCCL stream: unlike a gloo one, an HCCL
+    collective stays queued until it completes or its exec timeout passes, and device-wide waits
+    wait for it (``torch.npu.synchronize``; ``emptyCache`` via ``npuSynchronizeDevice``,
+    NPUCachingAllocator.cpp:1651-1660 in 2.10.0.post4). So an unsuccessful collective holds
+    :meth:`drain` until its exec deadline. (The NPU's exit sync waits too; this does not.)"""
 
     def __init__(self) -> None:
         self._works: list[tuple[Any, float]] = []  # (work, exec deadline)
@@ -217,15 +210,12 @@ class _Segment:
 
 
 class SegmentCarver:
-    """The stand-in for torch_npu's caching allocator under NPU IPC: blocks are carved from
-    shared segments of the allocator's sizes, and an exported handle names the segment with
-    the block's offset beside it, as ``shareIpcHandle`` exports the *base allocation* of a
-    block (NPUCachingAllocator.cpp:1557-1586 in 2.10.0.post4). So ring slots share a segment
-    name exactly where they would share an NPU IPC handle, and an importer that keyed its
-    mappings by the segment alone would read the wrong slot, as it would on an NPU.
-
-    A segment is carved from until it is unlinked (then no new importer could reach a new
-    block) and is closed and unlinked once its last block is released."""
+    """Stand-in for torch_npu's caching allocator under NPU IPC: blocks are carved from shared
+    segments of the allocator's sizes, and a handle names the segment with the block's offset
+    beside it, as ``shareIpcHandle`` exports a block's *base allocation*
+    (NPUCachingAllocator.cpp:1557-1586 in 2.10.0.post4); an importer keying mappings by segment
+    alone reads the wrong slot, as on an NPU. A segment is carved from until unlinked (no new
+    importer could reach it), and closed and unlinked when its last block is released."""
 
     def __init__(self) -> None:
         self._open: dict[int, _Segment] = {}  # segment size -> the segment carved from now
@@ -278,8 +268,7 @@ def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
     name, nbytes = handle.get("name"), handle.get("nbytes")
     offset = handle.get("offset", 0)
     if not isinstance(name, str) or not _SHM_NAME.match(name):
-        # Only our own segments may be opened: a handle naming another process's segment
-        # would otherwise map it.
+        # Only our own segments: another name could map any process's segment.
         raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise IpcHandleError(f"malformed shared-memory handle: nbytes {nbytes!r}")

@@ -1,19 +1,12 @@
 """Emulated chips of the CPU stand-in, strict where our code depends on how NPU chips behave.
 
-- **One chip per engine worker.** :func:`claim_chip` makes the process the worker of one
-  chip; touching another chip's memory is then an error (on an NPU it would open a context on
-  another worker's chip and pool nothing on its own).
-- **Which chips a process sees.** ``VLLM_ASCEND_RL_CPU_CHIPS`` ("4,5") maps a process's
-  logical chip indices to host chips, as ``ASCEND_RT_VISIBLE_DEVICES`` does on NPU; unset,
-  logical index = host chip.
-- **Device-wide memory.** Every process on a chip shares its :data:`CHIP_BYTES`: an NPU's free
-  memory (``torch.npu.mem_get_info``) counts every process's allocations, and vllm-ascend sizes
-  the KV cache from it at start-up (``vllm_ascend/worker/worker.py:424-436`` refuses a start
-  with less free than ``gpu_memory_utilization`` x total; ``:512-547`` counts memory others took
-  during the profile as this worker's and gives the KV cache only what is left). Processes on
-  one host share it through a ledger directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``): one file
-  per (chip, process) holding the bytes the process uses there; a dead process's file counts
-  for nothing, as its device memory is freed when it exits.
+- One chip per engine worker (:func:`claim_chip`); touching another chip's memory is an error.
+- ``VLLM_ASCEND_RL_CPU_CHIPS`` ("4,5") maps logical to host chips (``ASCEND_RT_VISIBLE_DEVICES``).
+- Device-wide memory (:data:`CHIP_BYTES`), shared by every process on a chip through a ledger
+  directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``; a dead process's file counts for nothing), as an
+  NPU's ``mem_get_info`` counts every process and vllm-ascend sizes the KV cache from it
+  (``vllm_ascend/worker/worker.py:424-436`` refuses a start with less free than
+  ``gpu_memory_utilization`` x total; ``:512-547`` gives the KV cache only what others left).
 """
 
 from __future__ import annotations
@@ -31,8 +24,7 @@ _CLAIMED: list[int] = []  # the logical chip this process's engine worker owns, 
 
 
 def claim_chip(index: int) -> None:
-    """This process is the engine worker of logical chip ``index`` from now on: it may touch
-    no other chip's memory."""
+    """From now on this process is the engine worker of logical chip ``index`` only."""
     if _CLAIMED and _CLAIMED[0] != index:
         raise RuntimeError(f"this process already serves emulated chip {_CLAIMED[0]}")
     _CLAIMED[:] = [index]

@@ -1,17 +1,12 @@
 """The trainer-to-engine process group, built by us the same way on every device.
 
-vLLM's ``stateless_init_torch_distributed_process_group`` hands every non-gloo backend to
-``current_platform.stateless_init_device_torch_dist_pg``, which vllm-ascend no longer
-implements (vllm-ascend cea0755b07), and its ``timeout`` argument does not exist in vLLM 0.27.1.
-So the group is assembled here, as vllm-ascend's netloader assembles its HCCL group
-(``vllm_ascend/model_loader/netloader/executor/netloader_pg.py``): a TCP rendezvous hosted by
-rank 0 with our timeout, a ``PrefixStore`` of our own, a ``ProcessGroup`` and the device's
-backend (:meth:`Device.group_backend`: gloo on CPU, ``ProcessGroupHCCL`` with explicit options
-on NPU). Only that backend differs, so CI runs everything here but the HCCL calls.
-
-The group is not entered in ``torch.distributed``'s global tables: callers use its methods
-(``pg.broadcast``/``pg.allreduce``) directly, as with vLLM's stateless groups.
-"""
+Not vLLM's ``stateless_init_torch_distributed_process_group``: it hands non-gloo backends to
+``current_platform.stateless_init_device_torch_dist_pg``, which vllm-ascend does not implement
+(removed in cea0755b07), and has no ``timeout`` in vLLM 0.27.1. Built as vllm-ascend's
+netloader builds its HCCL group (``vllm_ascend/model_loader/netloader/executor/netloader_pg.py``);
+only :meth:`Device.group_backend` differs between CPU and NPU. Not in ``torch.distributed``'s
+global tables: callers use ``pg.broadcast``/``pg.allreduce`` directly (as vLLM's stateless
+groups)."""
 
 from __future__ import annotations
 
@@ -29,11 +24,10 @@ GROUP_NAME = "vllm_ascend_rl_weights"
 
 
 def exec_timeout_s(timeout_s: float) -> int:
-    """How long a collective of our group may stay queued on the device, in whole seconds:
-    ``timeout_s`` rounded up. On NPU this is the communicator's own HCCL exec timeout
-    (``hccl_config["hccl_exec_timeout"]``), so a broadcast hung on a dead trainer leaves the
-    HCCL stream about when our deadline gives up on it, instead of after HCCL_EXEC_TIMEOUT
-    (1836 s by default); until then every device-wide synchronize waits behind it."""
+    """How long (``timeout_s`` rounded up to whole seconds) a collective of our group may stay
+    queued on the device. On NPU it is the communicator's ``hccl_exec_timeout``, so a broadcast
+    hung on a dead trainer leaves the HCCL stream near our deadline, not after
+    HCCL_EXEC_TIMEOUT (1836 s); until then every device-wide synchronize waits behind it."""
     return max(1, math.ceil(timeout_s))
 
 

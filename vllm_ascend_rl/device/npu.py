@@ -1,10 +1,6 @@
-"""Ascend NPU: HCCL collectives and NPU IPC through torch_npu. The only Python module that
-touches torch_npu.
-
-Imported lazily by :func:`vllm_ascend_rl.device.get_device` on NPU hosts only. This code has
-not run on Ascend hardware yet (no NPU was available to us); CI covers the same engine code
-through :mod:`vllm_ascend_rl.device.cpu`.
-"""
+"""Ascend NPU: HCCL collectives and NPU IPC; the only Python module that touches torch_npu.
+Imported lazily, on NPU hosts only. Not yet run on Ascend hardware; CI covers the same engine
+code through :mod:`vllm_ascend_rl.device.cpu`."""
 
 from __future__ import annotations
 
@@ -36,12 +32,10 @@ HCCL_BUFFER_MB = 200
 
 
 def nz_weight_mode() -> int:
-    """vllm-ascend's FRACTAL_NZ weight mode in this process.
-
-    vllm-ascend ``main`` (182b75e) keeps it in ``get_ascend_config().weight_nz_mode``
-    (``ascend_config.py:238-245``; ``rl_config.enabled`` forces 0, ``:579-600``); releases up
-    to v0.26 read only ``VLLM_ASCEND_ENABLE_NZ`` (``envs.py``). Both default to 1.
-    """
+    """vllm-ascend's FRACTAL_NZ weight mode in this process (default 1): ``main`` (182b75e)
+    keeps it in ``get_ascend_config().weight_nz_mode`` (``ascend_config.py:238-245``;
+    ``rl_config.enabled`` forces 0, ``:579-600``); releases up to v0.26 read only
+    ``VLLM_ASCEND_ENABLE_NZ`` (``envs.py``)."""
     try:
         from vllm_ascend.ascend_config import get_ascend_config
 
@@ -51,9 +45,8 @@ def nz_weight_mode() -> int:
 
 
 def nz_format_refusal() -> str | None:
-    """vllm-ascend's ``NPUWorker`` refuses ``start_weight_update`` and ``wake_up`` while NZ is
-    on (``_check_nz_disabled``, ``worker.py:247-255, 288-310``): say so at engine start, with
-    the setting to change, instead of at the first sync."""
+    """Why vllm-ascend's ``NPUWorker`` will refuse ``start_weight_update`` and ``wake_up`` (NZ
+    on: ``_check_nz_disabled``, ``worker.py:247-255, 288-310``), to say at engine start."""
     mode = nz_weight_mode()
     if not mode:
         return None
@@ -121,17 +114,13 @@ class NpuDevice(Device):
         self, store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
-        group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e).
-
-        Failure handling is ours, not the watchdog's: with torch_npu's default
-        ``HCCL_ASYNC_ERROR_HANDLING=1`` the watchdog rethrows a timed-out or failed
-        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1024-1041`` in
-        torch_npu 2.10.0.post4), which would kill the engine when a trainer dies. Setting this
-        group's watchdog to STOP (``set_watchdog_status``, a per-group field, ``:3710-3717``)
-        keeps its works out of the watchdog (``workEnqueue`` returns early, ``:3517-3519``;
-        the loop skips the group, ``:2216-2218``), so :class:`BroadcastChannel` alone decides, by
-        polling ``is_completed`` against ``timeout_s``, and then aborts the communicator.
-        """
+        group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e). Its watchdog is STOPped:
+        with the default ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed collective "to take
+        the entire process down" (``ProcessGroupHCCL.cpp:1024-1041``, torch_npu 2.10.0.post4),
+        killing the engine when a trainer dies. STOP (``set_watchdog_status``, per group,
+        ``:3710-3717``) keeps our works out of it (``workEnqueue`` returns early, ``:3517-3519``;
+        the loop skips the group, ``:2216-2218``); :class:`BroadcastChannel` polls
+        ``is_completed`` against ``timeout_s`` and aborts the communicator itself."""
         from torch.distributed import ProcessGroup
         from torch.distributed.distributed_c10d import Backend
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
@@ -141,12 +130,11 @@ class NpuDevice(Device):
         options._timeout = timedelta(seconds=timeout_s)
         options.global_ranks_in_group = []  # a group of its own, not a subgroup of the world
         options.group_id = group_id  # as netloader: the rendezvous, the same on every rank
-        # As vllm-ascend bounds its own groups' buffers (vllm_ascend/utils.py:960-991): MB.
-        # "group_name" fills HCCL's user-defined info (hcclUdi, ProcessGroupHCCL.cpp:3935-3948):
-        # the rendezvous, in plain characters, for HCCL's logs. The exec timeout (seconds, an int;
-        # ProcessGroupHCCL.cpp:3998-4013 in 2.10.0.post4) bounds how long a collective hung on
-        # a dead peer stays on the HCCL stream, where it would hold every device-wide
-        # synchronize, empty_cache and the exit sync until HCCL_EXEC_TIMEOUT (1836 s, :77).
+        # Buffer in MB, bounded as vllm-ascend bounds its groups' (vllm_ascend/utils.py:960-991).
+        # "group_name": the rendezvous in plain characters, for HCCL's logs (hcclUdi,
+        # ProcessGroupHCCL.cpp:3935-3948). The exec timeout (int seconds, :3998-4013) bounds how
+        # long a collective hung on a dead peer holds the HCCL stream, and with it every
+        # device-wide synchronize, empty_cache and the exit sync (else 1836 s, :77).
         comm_name = re.sub(r"[^A-Za-z0-9_]+", "_", group_id).strip("_")
         options.hccl_config = {
             "hccl_buffer_size": HCCL_BUFFER_MB,
@@ -237,9 +225,8 @@ class NpuDevice(Device):
                 (nbytes,),
                 (1,),
                 0,
-                # What the producer sends (reductions.py:98-150 in torch_npu 2.10.0.post4): only
-                # the TypedStorage wrapper absorbs the device= keyword of a cache hit
-                # (torch_npu/utils/storage.py:85-90).
+                # As the producer sends (reductions.py:98-150, torch_npu 2.10.0.post4); only the
+                # TypedStorage wrapper absorbs a cache hit's device= (utils/storage.py:85-90).
                 torch.TypedStorage,
                 torch.uint8,
                 self.index,  # the receiver's own device, never the ambient one
@@ -274,29 +261,24 @@ def _acl_memcpy(dst: int, src: int, nbytes: int, kind: int) -> None:
         raise RuntimeError(f"aclrtMemcpy of {nbytes} bytes failed with ACL error {ret}")
 
 
-# Every pool ever entered, with its pluggable allocator, alive until the process exits. This
-# is what keeps torch_npu 2.10 from freeing our VMM memory with a plain aclrtFree: a private
-# pool's blocks go through release_block (aclrtFree, NPUCachingAllocator.cpp:2858-2897) only
-# once the pool is freeable, i.e. its MemPool is gone (use_count 0, :2186-2210); while the
-# MemPool object lives, empty_cache skips it (:2815-2840). Also pytorch#146431.
+# Every pool ever entered lives until exit, so torch_npu 2.10 never frees our VMM memory with a
+# plain aclrtFree: a private pool's blocks reach release_block (aclrtFree,
+# NPUCachingAllocator.cpp:2858-2897) only once its MemPool is gone (use_count 0, :2186-2210);
+# while it lives, empty_cache skips it (:2815-2840). Also pytorch#146431.
 _POOLS: list = []
-# The process's one NPUPluggableAllocator over the ACL entry points; every pool uses it. The
-# entry points record into the extension's allocation table, which every allocator reads.
+# The process's one NPUPluggableAllocator over the ACL entry points, shared by every pool.
 _PLUGGABLE: list = []
 
 
 @contextmanager
 def pluggable_pool(allocator):
-    """Route torch_npu allocations inside the block through the ACL VMM entry points of
-    ``vllm_ascend_rl._C``. They record each allocation in the extension's allocation table,
-    tagged with the tag ``allocator.use_memory_pool`` set, and run no Python.
-
-    Each entry uses a fresh pool, never allocated from again after the block: so the
-    segments it cached but no longer uses (freed during weight loading, format conversion,
-    quantization) can be given back at the end, as vLLM's cumem allocator trims its pools
-    (vllm/device_allocator/cumem.py:402-435 in vLLM 0.32.0). Otherwise they would be backed up
-    and restored on every sleep and hide from KV-cache sizing.
-    """
+    """Route torch_npu allocations inside the block through ``vllm_ascend_rl._C``'s ACL VMM
+    entry points, which record each in the allocation table with the tag
+    ``allocator.use_memory_pool`` set, and run no Python. Each entry gets a fresh pool, never
+    allocated from after the block, so the segments it caches unused (freed during loading,
+    format conversion, quantization) are given back at the end, as vLLM's cumem allocator
+    trims its pools (vllm/device_allocator/cumem.py:402-435, vLLM 0.32.0); kept, they would be
+    backed up every sleep and hide from KV-cache sizing."""
     from vllm_ascend_rl import _C
 
     _torch_npu()
