@@ -1,9 +1,6 @@
-// A host memcpy on a few threads, for the staging copies of weight transfers on CPU.
-//
-// One thread's memcpy does not reach the host's memory bandwidth: on the 2-core CI host a
-// 1 GB copy took 0.085 s on one thread and 0.047 s on two. torch's copy_ would parallelize
-// too, but through the OpenMP pool, whose barrier stalls for milliseconds when a colocated
-// vLLM worker keeps the cores busy; plain threads only share the cores. The GIL is released.
+// A host memcpy on a few threads, GIL released, for the staging copies of weight transfers on
+// CPU: one thread does not reach memory bandwidth, and torch's copy_ goes through the OpenMP
+// pool, whose barrier stalls for milliseconds while a colocated vLLM worker holds the cores.
 #include <string.h>
 
 #include <algorithm>

@@ -5,8 +5,8 @@
 #include <Python.h>
 #include <stdint.h>
 
-// "O&" converter for addresses, sizes and handles: a non-negative int below 2**64. PyArg's
-// "K" would wrap -1 to 2**64-1 and truncate nothing, so a bad argument reached the callee.
+// "O&" converter for addresses, sizes and handles: a non-negative int below 2**64 (PyArg's "K"
+// silently wraps -1 to 2**64-1).
 static inline int to_u64(PyObject* obj, void* out) {
   if (!PyLong_Check(obj) || PyBool_Check(obj)) {
     PyErr_Format(PyExc_TypeError, "expected an int, got %s", Py_TYPE(obj)->tp_name);

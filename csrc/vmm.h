@@ -1,9 +1,7 @@
-// One virtual-memory interface for the sleep allocator, with two back ends:
-//   host: anonymous mmap (reserve with PROT_NONE, map with MAP_FIXED), always built;
-//   acl:  CANN's aclrtReserveMemAddress / aclrtMallocPhysical / aclrtMapMem, built with CANN.
-// Every call returns 0 or an error code (errno, or an aclError); nothing throws. Every call
-// that touches a device takes that device: on ACL the current device is per thread, and the
-// back end makes it current before the call.
+// One virtual-memory interface for the sleep allocator, with two back ends: host (anonymous
+// mmap, always built) and acl (CANN's aclrtReserveMemAddress/aclrtMallocPhysical/aclrtMapMem).
+// Every call returns 0 or an error code (errno or aclError) and throws nothing. Calls take the
+// device they touch, since ACL's current device is per thread: the back end makes it current.
 #pragma once
 
 #include <stddef.h>

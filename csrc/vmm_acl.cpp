@@ -1,11 +1,9 @@
-// ACL back end of vmm.h (CANN virtual memory) and the malloc/free entry points that torch_npu's
-// NPUPluggableAllocator calls. Built only where CANN is installed; CI compiles it against
-// acl_decls/ (a verbatim subset of CANN 9.1.0's headers). Not yet run on Ascend hardware.
-// Every ACL call and argument here is recorded, with the header and document it was checked
-// against, in docs/ascend-conformance.md.
-//
-// Errors are returned as aclError codes and become Python exceptions in vmm_module.cpp; the
-// entry points log them (vmm_entry.cpp). Nothing throws across the C boundary.
+// ACL back end of vmm.h (CANN virtual memory) and the entry points torch_npu's
+// NPUPluggableAllocator calls. Built only with CANN; CI compiles it against acl_decls/ (a
+// verbatim subset of CANN 9.1.0's headers). Not yet run on Ascend hardware. Every ACL call and
+// argument is recorded, with the header and document it was checked against, in
+// docs/ascend-conformance.md. Errors are aclError codes: VmmError in vmm_module.cpp, a log line
+// in the entry points (vmm_entry.cpp); nothing throws across the C boundary.
 #include <acl/acl.h>
 #include <stdio.h>
 
@@ -13,9 +11,8 @@
 
 namespace {
 
-// The current device is per thread in ACL (aclrtSetDevice.md). Make `device` current on the
-// calling thread before touching its memory. aclrtSetDevice attaches the thread to the device's
-// default context (shared by every thread that sets the same device); no context is created.
+// Make `device` current on this thread (per thread in ACL, aclrtSetDevice.md); this attaches
+// the thread to the device's default context, shared by every thread, and creates none.
 int ensure_device(int device) {
   int32_t current = -1;
   if (aclrtGetDevice(&current) == ACL_SUCCESS && current == device) return ACL_SUCCESS;

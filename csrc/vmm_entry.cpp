@@ -1,16 +1,13 @@
-// The allocation table of the sleep allocator (vmm_table.h) and the malloc/free entry points of
-// a pluggable allocator over any vmm.h back end. torch_npu's NPUPluggableAllocator calls the ACL
-// pair; the host pair runs the same code in CI through ctypes.
+// The sleep allocator's table (vmm_table.h) and the malloc/free entry points of a pluggable
+// allocator over any vmm.h back end: torch_npu's NPUPluggableAllocator calls the ACL pair, CI
+// the host pair through ctypes.
 //
-// torch_npu calls the entry points with its allocator mutex held (post4
-// NPUCachingAllocator.cpp:2720-2724 calls the pool's allocator under the lock), so they must not
-// wait for anything another thread may hold while it waits for that mutex, the GIL above all.
-// Like torch_memory_saver (csrc/core.h: an unordered_map of AllocationMetadata guarded by
-// allocator_metadata_mutex_), the table lives here under its own mutex and the entry points never
-// enter Python. Whoever holds the table mutex never waits for the GIL or for torch_npu's mutex.
-//
-// Nothing throws across the C boundary. Failures are logged with the back end's code and message
-// (a bare OOM from torch would say nothing), and a failing call never leaves a mapping behind.
+// torch_npu calls them under its allocator mutex (NPUCachingAllocator.cpp:2720-2724,
+// 2.10.0.post4), so they must not wait for anything a thread waiting on that mutex may hold, the
+// GIL above all. As in torch_memory_saver (csrc/core.h: AllocationMetadata under
+// allocator_metadata_mutex_), the table has its own mutex, whose holder never waits for the GIL
+// or torch_npu's mutex. Nothing throws across the C boundary; failures are logged with the back
+// end's code and message (torch's bare OOM says nothing), and leave no mapping behind.
 #include <errno.h>
 #include <stdio.h>
 

@@ -1,11 +1,9 @@
-// Host back end of vmm.h: the CPU stand-in for CANN virtual memory.
-// A reserved range is an anonymous PROT_NONE mapping. "Physical memory" is a handle that
-// records a size; mapping it replaces part of the reservation with private anonymous memory
-// (MAP_FIXED), populated on request; unmapping puts a PROT_NONE reservation back, which gives
-// the pages to the OS at once while the address stays ours. (It was a memfd mapped shared
-// until 2026-12: shmem pages cost twice as much to populate as anonymous ones, which made a
-// populated wake slower than freeing and re-zeroing a tensor.) A handle maps at one address
-// at a time, which is all the allocator does; contents do not outlive an unmap.
+// Host back end of vmm.h: the CPU stand-in for CANN virtual memory. A reserved range is an
+// anonymous PROT_NONE mapping; "physical memory" is a handle that records a size. Mapping it
+// replaces part of the reservation with private anonymous memory (MAP_FIXED; not shmem, which
+// costs twice as much to populate, benchmarks/README.md), populated on request; unmapping puts
+// PROT_NONE back, returning the pages at once while the address stays ours. A handle maps at
+// one address at a time, and contents do not outlive an unmap.
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -89,9 +87,8 @@ int host_unmap(uint64_t addr, size_t size, int) {
   return p == MAP_FAILED ? errno : 0;
 }
 
-// Write-fault every page now, in the kernel: one call per chunk instead of a fault per page
-// at first touch. MADV_POPULATE_WRITE (Linux 5.14) reports a shortage as ENOMEM; older kernels
-// reject the advice (EINVAL) and get MAP_POPULATE's best effort instead.
+// Write-fault every page now, in one kernel call. MADV_POPULATE_WRITE (Linux 5.14) reports a
+// shortage as ENOMEM; older kernels reject it (EINVAL) and get MAP_POPULATE's best effort.
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -103,9 +100,8 @@ int populate_chunk(char* p, size_t size) {
   return q == MAP_FAILED ? errno : 0;
 }
 
-// Zeroing the pages is the cost, and one core does it at a fraction of what the memory can
-// take: large ranges are populated by a few threads, one chunk each (as torch.zeros fills a
-// tensor on several threads).
+// Zeroing the pages is the cost, and one core does it well below memory bandwidth: large
+// ranges are populated by a few threads, one chunk each.
 int populate_range(void* p, size_t size) {
   constexpr size_t kMinChunk = 64ul << 20;
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));

@@ -1,7 +1,6 @@
-// vllm_ascend_rl._C: the vmm.h back ends as Python functions, and the allocation table of the
-// sleep allocator (vmm_table.h) as table_* functions. Addresses and handles are Python ints. A
-// failing call raises vllm_ascend_rl._C.VmmError(code, message); no C++ exception ever crosses
-// into CPython.
+// vllm_ascend_rl._C: the vmm.h back ends and the allocation table (vmm_table.h, table_*) as
+// Python functions over int addresses and handles. A failing call raises VmmError(code,
+// message); no C++ exception crosses into CPython.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <string.h>

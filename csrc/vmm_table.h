@@ -1,12 +1,9 @@
 // The process's table of sleep-allocator memory (vmm_entry.cpp): every allocation made through
-// the pluggable entry points or through vllm_ascend_rl._C.table_allocate, with its state. It is
-// the only record of that state. Python reads and changes it through vmm_module.cpp; the entry
-// points use it without Python.
-//
-// Every function is safe from any thread, takes the table's mutex and never the GIL, and throws
-// nothing but std::bad_alloc from copying a tag or the entries (vmm_table_allocate throws
-// nothing). Per-entry operations name an entry by (addr, id): an address can be reused after a
-// free, an id never is (0 matches any id).
+// the entry points or _C.table_allocate, and the only record of its state. Python uses it
+// through vmm_module.cpp, the entry points without Python. Every function is thread-safe, takes
+// the table's mutex and never the GIL, and throws only std::bad_alloc from copying a tag or the
+// entries (vmm_table_allocate throws nothing). An entry is named by (addr, id): an address can
+// be reused after a free, an id never is (0 matches any id).
 #pragma once
 
 #include <stdint.h>

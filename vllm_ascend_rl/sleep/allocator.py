@@ -1,24 +1,11 @@
-"""CaMemAllocator: tagged allocations that sleep and wake at the same virtual addresses.
+"""CaMemAllocator: tagged allocations that sleep and wake at the same virtual addresses
+(docs/sleep-mode.md). Back ends (``vllm_ascend_rl._C``): ``acl`` (CANN virtual memory, fed by
+torch_npu's pluggable allocator) and ``host`` (anonymous mmap; CPU workers and tests).
 
-Every allocation reserves its own virtual address range once. Sleeping drains the device,
-copies tagged contents to a host backup (allocated once and reused across cycles, unless
-``keep_backups`` is off) and unmaps and frees the physical memory; waking maps fresh physical
-memory at the same address and restores the backup. Memory woken without a backup reads as
-zero on every back end: fresh anonymous pages are zero, ACL memory is zeroed after mapping. Tensors,
-views and captured graphs keep pointing at valid addresses throughout. Allocations tagged
-``sleep_persistent`` are never released.
-
-Back ends (``vllm_ascend_rl._C``): ``acl`` on Ascend (CANN virtual memory, fed by torch_npu's
-pluggable allocator) and ``host`` everywhere (anonymous mmap), which CPU workers and the tests
-use.
-
-The state of every allocation (size, device, physical handle, mapped, tag) lives in one place:
-the extension's process-wide table (``_C.table_*``, csrc/vmm_table.h), under a C++ mutex. The
-pluggable entry points record and free there without Python (they run under torch_npu's
-allocator lock, where taking the GIL could deadlock); this module reads the table and changes
-entries through it, so a free through the entry points always sees the current state. Only the
-host backups are kept here.
-"""
+Every allocation's state lives only in the extension's table (``_C.table_*``, vmm_table.h),
+which the entry points use without Python (they run under torch_npu's allocator lock, where
+taking the GIL could deadlock), so a free through them always sees the current state. Only the
+host backups live here."""
 
 from __future__ import annotations
 
@@ -48,8 +35,7 @@ class SleepError(RuntimeError):
 
 @dataclass(frozen=True)
 class Allocation:
-    """One entry of the allocation table as read at one moment, with its host backup. It does
-    not follow later changes: read ``CaMemAllocator.allocations`` again."""
+    """One allocation-table entry as read at one moment, with its host backup; a snapshot."""
 
     addr: int
     size: int  # bytes, a multiple of the back end's granularity
@@ -58,8 +44,7 @@ class Allocation:
     handle: int | None  # physical memory; None while asleep
     mapped: bool  # physical memory is mapped at addr
     id: int  # unique in the process; an address can be reused after a free, an id cannot
-    # host copy, allocated once, reused every cycle
-    backup: torch.Tensor | None = field(default=None, compare=False)
+    backup: torch.Tensor | None = field(default=None, compare=False)  # host copy, reused
     has_backup: bool = False  # the backup holds this allocation's contents right now
 
     @property
@@ -83,18 +68,17 @@ def _vmm():
 
 
 class CaMemAllocator:
-    """Sleep and wake over the extension's allocation table, which is one per process: use the
-    singleton (``get_instance``); another instance of the same back end sees the same entries.
-    Every method is thread-safe."""
+    """Sleep and wake over the process's one allocation table: use ``get_instance`` (another
+    instance of the same back end sees the same entries). Every method is thread-safe."""
 
     _instance: CaMemAllocator | None = None
     _instance_lock = threading.Lock()
 
     @classmethod
     def get_instance(cls, backend: str | None = None, device: int | None = None) -> CaMemAllocator:
-        """The process's allocator. The first call creates it and must name the device (a
-        worker knows it only after ``init_device``); a later call that names another back
-        end or device is refused: one worker process serves one device."""
+        """The process's allocator. The first call must name the device (known to a worker
+        only after ``init_device``); naming another back end or device later raises
+        SleepError: one worker process serves one device."""
         with cls._instance_lock:
             if cls._instance is None:
                 if device is None:
@@ -131,8 +115,7 @@ class CaMemAllocator:
         self.backend = backend
         self.device_index = device
         self.maps_zeroed = bool(self.vmm.maps_zeroed(backend))
-        # Backups of offloaded tags stay allocated across cycles (one allocation, not one per
-        # sleep); a colocated trainer that wants that host memory back can turn this off.
+        # Off: a colocated trainer gets the backups' host memory back after every wake.
         if keep_backups is None:
             keep_backups = os.environ.get("VLLM_ASCEND_RL_SLEEP_KEEP_BACKUPS", "1") != "0"
         self.keep_backups = keep_backups
@@ -163,9 +146,8 @@ class CaMemAllocator:
     def allocate(
         self, nbytes: int, tag: str = DEFAULT_TAG, device: int | None = None, populate: bool = True
     ) -> Allocation:
-        """Reserve, back and map ``nbytes`` (rounded up to the granularity), recorded in the
-        table as ``tag``; all or nothing. ``populate`` commits the memory now, so running out
-        of it is an exception here."""
+        """Reserve, back and map ``nbytes`` (rounded up to the granularity) tagged ``tag``; all
+        or nothing. ``populate`` commits it now, so a shortage raises here."""
         device = self.device_index if device is None else device
         with self._lock:
             row = self._call("table_allocate", self.backend, max(nbytes, 1), tag, device, populate)
@@ -184,9 +166,8 @@ class CaMemAllocator:
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def free(self, addr: int) -> None:
-        """Release the allocation at ``addr`` whatever its state; KeyError if there is none.
-        It is forgotten only once everything behind it is released, so a failure leaves it
-        known in the state it reached, not leaked. The caller drains the device first."""
+        """Release the allocation at ``addr`` whatever its state; KeyError if none. A failure
+        leaves it recorded in the state it reached, not leaked. The caller drains the device."""
         with self._lock:
             if not self._call("table_free", addr):
                 raise KeyError(addr)
@@ -203,13 +184,8 @@ class CaMemAllocator:
 
     @contextmanager
     def use_memory_pool(self, tag: str = DEFAULT_TAG) -> Iterator[None]:
-        """Every tensor allocated inside is tagged ``tag``.
-
-        Ascend: torch_npu's pluggable-allocator pool routes allocations through the ACL
-        entry points, which record them in the table with the tag set here. CPU:
-        ``torch.zeros``/``torch.empty`` on the CPU inside the block are served from host
-        virtual memory (this is how the CPU worker places its KV cache).
-        """
+        """Every tensor allocated inside is tagged ``tag``: on Ascend through torch_npu's
+        pluggable pool; on CPU ``torch.zeros``/``torch.empty`` come from host virtual memory."""
         previous = self.vmm.table_set_tag(tag)
         try:
             if self.backend == "acl":
@@ -227,8 +203,8 @@ class CaMemAllocator:
 
     def keep_only(self, tag: str, tensors: Iterable[torch.Tensor]) -> int:
         """Re-tag ``sleep_persistent`` every allocation of ``tag`` that backs none of
-        ``tensors``; return how many. A pool entered around a whole initialization step
-        also catches its bookkeeping buffers, which must not be released with the KV cache."""
+        ``tensors``; return how many. A pool around a whole initialization step also catches
+        bookkeeping buffers, which must not be released with the KV cache."""
         starts = [t.untyped_storage().data_ptr() for t in tensors if t.numel()]
         moved = 0
         with self._lock:
@@ -243,12 +219,11 @@ class CaMemAllocator:
 
     # -- sleep / wake ----------------------------------------------------------------
     def sleep(self, offload_tags: Iterable[str] | str | None = None) -> None:
-        """Back up allocations tagged ``offload_tags`` to host memory, then release the
-        physical memory of every awake allocation (but ``sleep_persistent``). Addresses stay
-        reserved. The device is drained first: queued work could otherwise write after the
-        backup, or touch memory already unmapped. Nothing may free these allocations through
-        the entry points meanwhile (torch_npu frees a pool's segments only once the pool is
-        gone, and device/npu.py keeps every pool)."""
+        """Back up ``offload_tags`` to host memory, then release the physical memory of every
+        awake allocation but ``sleep_persistent`` (addresses stay reserved). Drains the device
+        first, or queued work could write after the backup or touch unmapped memory. Nothing may
+        free them through the entry points meanwhile (torch_npu frees a pool's segments only
+        once the pool is gone; device/npu.py keeps every pool)."""
         offload = _tags(offload_tags) or set()
         with self._lock:
             victims = [a for a in self._entries() if a.awake and a.tag != PERSISTENT_TAG]
@@ -261,10 +236,9 @@ class CaMemAllocator:
                 self._call("table_sleep", alloc.addr, alloc.id)
 
     def wake_up(self, tags: Iterable[str] | str | None = None) -> None:
-        """Map fresh, populated physical memory at the same addresses for ``tags`` (all if
-        None) and restore backups; what has no backup reads as zero. Awake allocations are
-        left alone. A failure of any kind part-way releases what this call had mapped and raises
-        SleepError: the allocator is back to a clean asleep state, backups intact."""
+        """Map fresh, populated memory at the same addresses for ``tags`` (all if None) and
+        restore backups (else zeros); awake allocations are left alone. Any failure releases
+        what this call mapped and raises SleepError: cleanly asleep again, backups intact."""
         wanted = _tags(tags)
         with self._lock:
             woken: list[Allocation] = []
@@ -272,9 +246,8 @@ class CaMemAllocator:
                 for alloc in self._entries():
                     if alloc.awake or (wanted is not None and alloc.tag not in wanted):
                         continue
-                    # Populated: the memory is committed and mapped now, so a shortage fails
-                    # this wake (rolled back) instead of a later page fault, and the first
-                    # forward pass does not pay the page faults (ACL maps eagerly anyway).
+                    # Populated: a shortage fails (and rolls back) this wake, not a later page
+                    # fault, and the first forward pass pays no faults (ACL maps eagerly).
                     if self._call("table_wake", alloc.addr, alloc.id, True):
                         woken.append(alloc)
                         self._restore(alloc)
@@ -289,9 +262,8 @@ class CaMemAllocator:
                 self._backups_done(alloc.addr)
 
     def discard(self, tags: Iterable[str] | str) -> None:
-        """Release ``tags`` without keeping their contents; they wake zero-filled. An
-        allocation already asleep with a backup loses that backup too (it would otherwise
-        come back with contents older than the discard)."""
+        """Release ``tags`` without keeping their contents; they wake zero-filled. A backup of
+        one already asleep is dropped too, or it would wake with pre-discard contents."""
         wanted = _tags(tags) or set()
         with self._lock:
             chosen = [a for a in self._entries() if a.tag in wanted and a.tag != PERSISTENT_TAG]
@@ -318,8 +290,7 @@ class CaMemAllocator:
 
     # -- helpers ---------------------------------------------------------------------
     def _entries(self) -> list[Allocation]:
-        """The table's entries of this back end, with their backups; backups of entries gone
-        from the table (freed through the entry points) are dropped."""
+        """This back end's entries with their backups (dropping those of entries now gone)."""
         with self._lock:
             rows = self.vmm.table_entries(self.backend)
             live = {row[0]: row[6] for row in rows}

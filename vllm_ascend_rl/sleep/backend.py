@@ -1,10 +1,6 @@
-"""The ``camem`` sleep-mode backend: vLLM's /sleep and /wake_up on :class:`CaMemAllocator`.
-
-Registered in vLLM's ``SleepModeBackendFactory`` by ``vllm_ascend_rl.register()`` (as
-``ascend_rl_camem`` if the name is taken). Level semantics follow vLLM: level 1 keeps the
-weights (offloaded to host memory, restored on wake) and releases the KV cache; level 2
-releases everything, and the weights must be reloaded after waking them.
-"""
+"""The ``ascend_rl_camem`` sleep-mode backend: vLLM's /sleep and /wake_up on
+:class:`CaMemAllocator`. Levels as in vLLM: 1 offloads the weights to host memory and releases
+the KV cache; 2 releases everything, and the weights must be reloaded after waking them."""
 
 from __future__ import annotations
 
@@ -14,8 +10,8 @@ from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 class CaMemSleepBackend(SleepModeBackend):
-    """vLLM's factory builds this in the worker's ``__init__``, before ``init_device``: the
-    allocator is looked up at first use, once the worker has made it for its own device."""
+    """Built by vLLM's factory in the worker's ``__init__``, before ``init_device``, so the
+    allocator is looked up at first use, once the worker has made it for its device."""
 
     def __init__(self, allocator: CaMemAllocator | None = None) -> None:
         super().__init__()

@@ -1,12 +1,6 @@
-"""The CPU stand-in for torch_npu's pluggable-allocator pool: inside the block, plain
-``torch.zeros``/``torch.empty`` calls on the CPU are served from the sleep allocator.
-
-This is how :class:`~vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker` places its KV cache in
-host virtual memory. Only calls whose result is an ordinary contiguous CPU tensor are served;
-anything else (``out=``, another layout or memory format, pinned or grad-requiring tensors)
-falls through to torch unchanged. A served tensor owns its memory: when its last view dies the
-allocation is freed.
-"""
+"""The CPU stand-in for torch_npu's pluggable-allocator pool: inside the block, plain CPU
+``torch.zeros``/``torch.empty`` (ordinary contiguous tensors only; anything else falls through
+to torch) are served from the sleep allocator, freed when the tensor's last view dies."""
 
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ RELOAD_HINT = (
 
 
 def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
-    """The one way both workers get their sleep backend: select ``ascend_rl_camem`` in the
-    model config and build it through vLLM's own factory (the same call in vLLM 0.27.1 and
-    0.32; vllm-ascend's worker has no accessor of its own)."""
+    """Both workers' sleep backend, ``ascend_rl_camem``, built by vLLM's own factory (the same
+    call in vLLM 0.27.1 and 0.32)."""
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     from vllm_ascend_rl import register
@@ -35,9 +34,8 @@ def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
 
 
 def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> int:
-    """What both sleepable workers do once their level-specific preparation is done: give
-    back the weight-transfer receive pool, suspend the backend, return what the allocators
-    cache. Returns the bytes of sleep-allocator memory released."""
+    """After a worker's level-specific preparation: release the weight-transfer receive pool,
+    suspend the backend, empty the allocators' caches; return the sleep-pool bytes released."""
     allocator = backend.allocator
     before = allocator.get_current_usage()
     engine = getattr(worker, "weight_transfer_engine", None)
@@ -50,8 +48,7 @@ def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> in
 
 
 def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
-    """Every KV-cache tensor the runner holds (``kv_caches`` is a list of tensors in vLLM, of
-    tensors or tuples of them in vllm-ascend)."""
+    """Every tensor in the runner's ``kv_caches`` (nested lists/tuples in vllm-ascend)."""
     import torch
 
     stack = [getattr(model_runner, "kv_caches", [])]
@@ -66,23 +63,21 @@ def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
 
 
 def confine_kv_pool(worker: Any) -> int:
-    """After KV-cache initialization: only the KV cache stays tagged ``kv_cache``; whatever
-    else was allocated in that pool (attention bookkeeping, DSA buffers) is kept across sleep."""
+    """After KV-cache initialization, keep across sleep whatever else the ``kv_cache`` pool
+    holds (attention bookkeeping, DSA buffers)."""
     return worker.allocator.keep_only("kv_cache", kv_cache_tensors(worker.model_runner))
 
 
 class SleepableMixin:
-    """What both sleepable workers share. A level-2 sleep discards the weights; until new
-    ones are loaded, waking the KV cache (which lets requests run) is refused with what to do.
-    ``memory_in_use`` (an RPC: ``/collective_rpc``) reports the device memory the worker's
-    process holds, so tests and operators read real figures on CPU and NPU alike."""
+    """Shared by both sleepable workers. After a level-2 sleep, waking the KV cache (which lets
+    requests run) is refused until new weights are loaded. ``memory_in_use`` (via
+    ``/collective_rpc``) reports the device memory the worker's process holds."""
 
     _needs_reload = False
 
     @staticmethod
     def check_sleep_level(level: int) -> None:
-        """vLLM 0.27.1's /sleep passes any level through; only 1 and 2 reach the workers
-        meaningfully (0 never leaves the engine core)."""
+        """Only levels 1 and 2 reach workers (0 stays in the engine core; 0.27.1 passes any)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level} is not supported: use 1 or 2")
 

@@ -1,17 +1,7 @@
-"""SleepableCPUWorker: vLLM's CPU worker with a real /sleep and /wake_up.
-
-Enable it with ``--worker-cls vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker``. The KV
-cache (one buffer; every layer's cache is a view of it) lives in host virtual memory from the
-``camem`` allocator and is resident while serving, like upstream's. ``/sleep?level=1`` releases
-it and ``/wake_up`` maps it back at the same address, zero-filled (the sleep's pause already
-reset the prefix cache). On CPU the weights already live in host memory, so level 1 keeps them;
-level 2 also discards them (parameters and the CPU linear layers' packed copies). After a level-2
-sleep, waking ``weights`` gives back zeroed parameters that must be reloaded (a weight transfer,
-or ``reload_weights`` from disk) before the KV cache may wake: a wake that would let requests
-run on discarded weights is refused with an error that says what to do, and queued requests
-wait. Staged wake (``tags=weights``, then ``kv_cache``) works; vLLM keeps the scheduler paused
-until every tag is awake.
-"""
+"""SleepableCPUWorker: vLLM's CPU worker with a real /sleep and /wake_up (docs/sleep-mode.md).
+The KV cache (one buffer every layer views) lives in the sleep allocator's host memory and wakes
+zero-filled at the same address; level 2 also discards the weights (parameters and CPU linear
+layers' packed copies), which must be reloaded before the KV cache may wake."""
 
 from __future__ import annotations
 
@@ -40,16 +30,14 @@ def _discarded_linear(*_args, **_kwargs):
 
 
 class ChipCPUWorker(CPUWorker):
-    """vLLM's CPU worker on an emulated chip of the CPU stand-in (``device/cpu_chip.py``): it
-    owns one chip and sizes its start-up from the chip's device-wide memory, as vllm-ascend's
-    NPU worker does, so servers that start together on one chip fail as on NPU. Test servers
-    that name no worker class run it."""
+    """vLLM's CPU worker on one emulated chip (``device/cpu_chip.py``), sizing its start-up from
+    the chip's device-wide memory as vllm-ascend's NPU worker does, so servers started together
+    on one chip fail as on NPU. Test servers that name no worker class run it."""
 
     def init_device(self) -> None:
         super().init_device()
         index = worker_index(self.parallel_config)
         claim_chip(index)  # one emulated chip per worker
-        # The chip's memory is device-wide, as vllm-ascend's worker sees it at start-up.
         self.chip_memory = StartupMemory.take(
             ChipMemory(host_chip(index)), self.cache_config.gpu_memory_utilization
         )
@@ -60,8 +48,8 @@ class ChipCPUWorker(CPUWorker):
 
     def determine_available_memory(self) -> int:
         kv_bytes = super().determine_available_memory()
-        # On an NPU the KV cache takes what the profile leaves of the request: the worker
-        # then holds the whole request. Others' start-up in the window shrinks it to nothing.
+        # As on NPU: the KV cache gets what the profile leaves of the request (less what
+        # others took meanwhile), so the worker then holds the whole request.
         self.chip_memory.kv_budget(own_bytes=_weight_bytes(self))
         self.chip_memory.chip.record(self.chip_memory.requested)
         return kv_bytes
@@ -84,7 +72,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         return CaMemAllocator.get_instance("host", device=worker_index(self.parallel_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
-        # Only the KV cache goes to host virtual memory; CPU weights stay torch tensors.
+        # Only the KV cache: CPU weights stay torch tensors (level 2 discards their storage).
         return self.allocator.use_memory_pool(tag) if tag == "kv_cache" else nullcontext()
 
     def initialize_from_config(self, *args, **kwargs) -> None:
@@ -137,7 +125,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
 
     @torch.no_grad()
     def _restore_weight_storage(self) -> None:
-        """Give every discarded parameter zeroed storage of its old size; a reload fills it
+        """Give every discarded parameter zeroed storage of its old size, for a reload to fill
         (layerwise reload copies into these tensors and rebuilds the packed linears)."""
         for param, nbytes in self._discarded.items():
             param.untyped_storage().resize_(nbytes)

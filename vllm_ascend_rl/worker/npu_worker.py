@@ -1,28 +1,8 @@
-"""SleepableNPUWorker: vllm-ascend's NPU worker with sleep routed through our ``ascend_rl_camem``
-backend.
-
-UNVERIFIED: written against vllm-ascend@182b75e's ``NPUWorker`` without an Ascend host to run
-it; the CPU twin (:mod:`vllm_ascend_rl.worker.cpu_worker`) is what CI exercises, and a labelled
-mock of vllm-ascend's worker checks the routing.
-
-Flags on an Ascend host::
-
-    --worker-cls vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker
-    --additional-config '{"rl_config": {"enabled": true}}'   # NZ off (vllm-ascend refuses wake
-                                                             # and weight updates with NZ on)
-    # do NOT pass --enable-sleep-mode: vllm-ascend would then tag memory into its own allocator
-    PYTORCH_NPU_ALLOC_CONF=expandable_segments:False  # the ACL back end refuses them
-
-The weights are loaded inside our allocator's ``weights`` pool, and only the KV cache itself
-inside the ``kv_cache`` pool (as vllm-ascend pools it; whatever else KV initialization
-allocates there is kept across sleep). ``/sleep?level=1`` backs the weights up to host memory
-that is allocated once and reused, and releases the device memory of both at the same virtual
-addresses; ``/sleep?level=2`` discards the weights too: wake ``weights``, reload them, then wake
-``kv_cache`` (waking the KV cache first is refused).
-
-vllm-ascend is imported only when the class is first looked up (``--worker-cls`` resolution in
-the worker process), so this module is importable on hosts without it.
-"""
+"""SleepableNPUWorker: vllm-ascend's NPU worker on our ``ascend_rl_camem`` sleep backend. Flags
+(NZ off, no ``--enable-sleep-mode``, no expandable segments) and levels: docs/sleep-mode.md.
+UNVERIFIED on hardware: written against vllm-ascend@182b75e's ``NPUWorker``; CI runs the CPU
+twin and checks the routing on a labelled mock. vllm-ascend is imported at the class's first
+lookup, so this module imports on hosts without it."""
 
 from __future__ import annotations
 
@@ -43,8 +23,8 @@ NOT_POOLED = (
 
 @contextmanager
 def _wrapped(obj: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Replace ``obj.name`` by ``wrap(obj.name)`` inside the block (an instance attribute,
-    removed afterwards): the smallest hook into a method we must not copy."""
+    """Replace ``obj.name`` by ``wrap(obj.name)`` inside the block, as an instance attribute:
+    the smallest hook into a method we must not copy."""
     had, previous = name in vars(obj), vars(obj).get(name)
     setattr(obj, name, wrap(getattr(obj, name)))
     try:
@@ -93,17 +73,15 @@ def _build_class() -> type:
             with self.allocator.use_memory_pool("weights"):
                 super().load_model(*args, **kwargs)
             if self.allocator.get_current_usage() <= before:
-                # torch_npu reads PYTORCH_NPU_ALLOC_CONF once, at its allocator's first use
-                # (NPUAllocatorConfig.h), and its expandable branch runs before the pool branch
-                # (NPUCachingAllocator.cpp:2707-2724 in 2.10.0.post4): if anything allocated
-                # before vllm-ascend stripped expandable_segments:True, the weights bypassed
-                # our pool and /sleep would free nothing.
+                # torch_npu reads PYTORCH_NPU_ALLOC_CONF at its allocator's first use
+                # (NPUAllocatorConfig.h) and its expandable branch runs before the pool branch
+                # (NPUCachingAllocator.cpp:2707-2724, 2.10.0.post4): anything allocated before
+                # vllm-ascend stripped expandable_segments:True sends the weights past our pool.
                 raise RuntimeError(NOT_POOLED)
 
         def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
-            # Only model_runner.initialize_kv_cache runs in the pool, as in vllm-ascend's own
-            # worker (worker.py:972-1001): the KV connector before it and the KV-zeroing
-            # bookkeeping after it use ordinary memory and survive sleep.
+            # Only initialize_kv_cache runs in the pool, as in vllm-ascend (worker.py:972-1001):
+            # the KV connector before it and the KV-zeroing bookkeeping after it survive sleep.
             def pooled(initialize_kv_cache: Callable) -> Callable:
                 def initialize(*a: Any, **k: Any) -> Any:
                     with self.allocator.use_memory_pool("kv_cache"):
