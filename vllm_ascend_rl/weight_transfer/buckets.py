@@ -1,11 +1,6 @@
-"""Bucket planning and packing shared by the HCCL and NPU-IPC weight-transfer engines.
-
-Both sides of a transfer compute the same plan from the same ``(name, dtype, shape)`` list and
-the bucket size agreed at init, so no chunk boundary ever travels on the wire and the two sides
-cannot cut the byte stream differently. Tensors are packed in metadata order; each starts at an
-aligned offset so it can be viewed in place as its dtype; a tensor larger than a bucket goes
-alone, in a bucket of its own size.
-"""
+"""Bucket planning and packing shared by the HCCL and NPU-IPC weight-transfer engines. Both
+sides compute the same plan from the same ``(name, dtype, shape)`` list and bucket size, so no
+chunk boundary travels on the wire; tensors are packed in metadata order at aligned offsets."""
 
 from __future__ import annotations
 
@@ -67,12 +62,9 @@ def _align(n: int) -> int:
 def plan_buckets(
     specs: Sequence[TensorSpec], bucket_bytes: int, alone_bytes: int | None = None
 ) -> list[Bucket]:
-    """Greedy, order-preserving packing of ``specs`` into buckets of ``bucket_bytes``.
-
-    A tensor larger than ``alone_bytes`` (default: the bucket size) gets a bucket of its own,
-    marked ``oversized``: a transport that can send it straight from its memory skips the
-    staging copy.
-    """
+    """Greedy, order-preserving packing of ``specs`` into buckets of ``bucket_bytes``. A tensor
+    larger than ``alone_bytes`` (default: the bucket size) gets an ``oversized`` bucket of its
+    own, which a transport may send straight from the tensor, skipping the staging copy."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     alone = bucket_bytes if alone_bytes is None else min(alone_bytes, bucket_bytes)
@@ -113,9 +105,8 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def pieces(nbytes: int, piece: int) -> list[tuple[int, int]]:
-    """``(start, length)`` of each transfer that carries ``nbytes``: one, or pieces of at most
-    ``piece`` bytes (the bucket size) for a tensor larger than a bucket; both sides of either
-    transport cut the same way. Empty for 0."""
+    """``(start, length)`` of the transfers that carry ``nbytes`` in pieces of at most ``piece``
+    bytes (the bucket size), cut the same way on both sides; empty for 0."""
     return [(start, min(piece, nbytes - start)) for start in range(0, nbytes, piece)]
 
 
@@ -130,8 +121,7 @@ def pack_into(
     tensors: Sequence[torch.Tensor],
     copy_bytes: Callable[[torch.Tensor, torch.Tensor], None],
 ) -> None:
-    """Copy ``tensors`` (in ``bucket.specs`` order) into the uint8 ``buffer`` at their offsets
-    with the device's ``copy_bytes(dst, src)``."""
+    """Copy ``tensors`` (in ``bucket.specs`` order) into ``buffer`` at the bucket's offsets."""
     for spec, off, t in zip(bucket.specs, bucket.offsets, tensors, strict=True):
         copy_bytes(buffer[off : off + spec.nbytes], as_bytes(t))
 

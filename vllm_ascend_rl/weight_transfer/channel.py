@@ -1,12 +1,8 @@
-"""The trainer-to-engine broadcast group, with deadlines and an agreement step.
-
-A refusal must reach both sides: if one side raised before a collective, the other would wait
-in it until the backend's timeout. So before any payload, every rank contributes to one
-all-reduce (MIN) of ``[verdict, signature, -signature]``: all ranks learn the lowest verdict
-(a refusal wins) and whether everyone computed the same signature of what is about to be sent.
-After any failed or timed-out collective the group is unusable (the byte stream is out of
-step) and is marked broken; the caller must open a new one.
-"""
+"""The trainer-to-engine broadcast group, with deadlines and an agreement step: before any
+payload every rank joins one all-reduce (MIN) of ``[verdict, signature, -signature]``, so a
+refusal reaches every rank (none waits in a collective until the backend's timeout) and all
+learn whether their signatures match. After a failed or timed-out collective the byte stream is
+out of step: the group is marked broken for good."""
 
 from __future__ import annotations
 
@@ -45,9 +41,8 @@ def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Except
             try:
                 poll()
             except Exception as e:
-                # The peer's answer over HTTP can overtake its part of this collective (it
-                # completes its side, then fails the call): a refusal must still end the
-                # handshake in step, so give the collective a moment.
+                # The peer's HTTP answer can overtake its side of this collective (done, then
+                # the call fails): give the collective a moment so a refusal ends in step.
                 if not _completes_within(work, POLL_GRACE_S):
                     raise
                 return e
@@ -113,9 +108,8 @@ class BroadcastChannel:
             polled = _await(work, deadline, self.timeout_s, poll)
             try:
                 work.wait()
-                # With our group's watchdog off (NPU), an HCCL error need not raise in wait();
-                # the work records it, communicator errors included (ProcessGroupHCCL.cpp:
-                # 807-841).
+                # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
+                # the work records it, communicator errors too (ProcessGroupHCCL.cpp:807-841).
                 failure = work.exception()
             except Exception:
                 if polled is not None:  # the peer's own answer says more than the collective
@@ -125,9 +119,8 @@ class BroadcastChannel:
                 raise polled or RuntimeError(f"the collective failed: {failure}")
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
-            # The backend runs its own timer of timeout_s from when the collective was issued
-            # (gloo words it "Timed out ..." or "Application timeout caused pair closure"): a
-            # failure that late is a timeout, whatever its wording.
+            # The backend's own timer runs timeout_s from issue; gloo words its expiry "Timed
+            # out ..." or "Application timeout caused pair closure". Late means timeout.
             late = time.monotonic() - started >= 0.8 * self.timeout_s
             if late and "no progress" not in detail:
                 detail = f"no progress within timeout_s={self.timeout_s:.0f}s ({detail})"
@@ -153,9 +146,8 @@ class BroadcastChannel:
             )
 
     def close(self) -> None:
-        """Release the group. A broken channel may still have a collective queued on a dead
-        peer: the device tears it down without waiting for it (on NPU: abort the
-        communicator, not a shutdown that synchronizes the hung stream)."""
+        """Release the group; a broken one is torn down without waiting for a collective that
+        may be queued on a dead peer (on NPU: abort the communicator, not shutdown)."""
         pg, self.pg = self.pg, None
         broken = self.broken is not None  # a collective may wait on a dead peer
         self.broken = self.broken or "closed"

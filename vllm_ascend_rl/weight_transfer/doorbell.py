@@ -1,11 +1,7 @@
-"""Host-local signalling between a colocated trainer and its engine workers.
-
-The NPU-IPC engine moves no data over this channel: weights travel through shared staging
-buffers. The doorbell only says "bucket i is in buffer k" and "bucket i was copied out", so the
-trainer can refill a buffer as soon as the engine is done with it. It is a Unix stream socket in
-Linux's abstract namespace (no file to clean up), carrying newline-delimited JSON. A dead peer
-shows up at once as end-of-stream, a silent one after ``timeout_s``.
-"""
+"""Host-local signalling between a colocated trainer and its engine workers: "bucket i is in
+buffer k" and "bucket i was copied out" (the weights travel through shared staging buffers).
+Newline-delimited JSON on a Unix stream socket in Linux's abstract namespace (no file to clean
+up); a dead peer shows at once as end-of-stream, a silent one after ``timeout_s``."""
 
 from __future__ import annotations
 
@@ -62,9 +58,8 @@ class Doorbell:
                 try:
                     poll()
                 except Exception:
-                    # What arrived wins over the poll: a worker sends its refusal before its
-                    # update call fails, but the refusal can land between the check above
-                    # and the poll.
+                    # What arrived wins over the poll: a worker's refusal, sent before its
+                    # update call fails, can land between the check above and the poll.
                     if not self._readable(0):
                         raise
                     ready = True
@@ -112,8 +107,7 @@ class Doorbell:
         poll: Poll | None = None,
         stale: Callable[[dict], bool] | None = None,
     ) -> dict:
-        """The next message, which must carry ``key=value``; messages ``stale`` says are
-        left over from an earlier exchange are dropped."""
+        """The next message, which must carry ``key=value``; drops those ``stale`` calls old."""
         msg = self.recv(what, poll)
         while stale is not None and msg.get(key) != value and stale(msg):
             msg = self.recv(what, poll)

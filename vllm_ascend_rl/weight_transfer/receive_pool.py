@@ -13,19 +13,12 @@ def storage_use_count(t: torch.Tensor) -> int | None:
 
 
 class ReceivePool:
-    """Landing buffers for received buckets, recycled once nothing references them.
-
-    Layerwise reload keeps views of a bucket until every layer in it is complete, so a buffer
-    may only be refilled when no view of its storage is alive any more (its storage use count
-    is back to the pool's own reference). Fresh memory is expensive on a host: first-touch page
-    faults made a copy into a new 256 MiB buffer 6x slower than into a warm one (180 vs 30 ms).
-    The pool keeps at most ``max_bytes``; :meth:`release` gives them back.
-
-    The pool lives for one update: device memory allocated after vLLM sized the KV cache is
-    outside its budget, so :meth:`end_update` gives every buffer back (the same on the CPU
-    stand-in, so CI runs the device's policy). ``peak_bytes`` is the most the pool's buffers
-    held at once during the update, including buffers it handed out but could not keep.
-    """
+    """Landing buffers recycled once no view of them is alive (layerwise reload keeps views
+    until a layer is complete; the storage use count tells). Warm buffers, up to ``max_bytes``,
+    are kept: first-touch page faults make a copy into fresh host memory several times slower.
+    Device memory taken after vLLM sized the KV cache is outside its budget, so
+    :meth:`end_update` gives every buffer back (on CPU too). ``peak_bytes``: the most held at
+    once in the update, counting buffers it could not keep."""
 
     def __init__(self, device: torch.device, max_bytes: int) -> None:
         self.device, self.max_bytes = device, max_bytes

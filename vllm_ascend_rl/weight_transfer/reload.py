@@ -1,23 +1,11 @@
 """vLLM's layerwise reload, with an abort that leaves the old model, never a mix.
 
-Checkpoint-format weights must go through layerwise reload: on CPU (and for any layer whose
-``process_weights_after_loading`` repacks weights) a plain ``load_weights`` into the processed
-parameters fails halfway and corrupts the model. A layer is rebuilt and copied into its kernel
-tensors as soon as all its weights have arrived; a layer that received only part of its weights
-would be processed with uninitialised memory at finalize. :meth:`LayerwiseReload.abort` drops
-such partial layers first, so finalize puts their old kernel tensors back.
-
-Layers that were complete before a failure already hold new weights in place. So that a failed
-update never leaves a model that mixes two versions, :meth:`LayerwiseReload.begin` keeps what
-restoring them needs and :meth:`abort` puts it back into those layers:
-
-- a host copy of every kernel tensor (processing copies new values into them in place); this
-  costs host memory the size of this worker's weight shard for the duration of the update
-  (``backup_bytes``, logged) and is freed when the update ends;
-- the layer's plain attributes, because processing may also replace objects the forward pass
-  uses instead of the kernel tensors (vLLM CPU's ``cpu_linear`` closure over a oneDNN handle of
-  packed weights). Holding the old objects keeps their memory alive until the update ends.
-  An object that processing mutates in place instead of replacing is not restored.
+Checkpoint-format weights must go through layerwise reload: a plain ``load_weights`` into
+processed parameters (on CPU, or wherever ``process_weights_after_loading`` repacks) fails
+halfway and corrupts the model. On abort, partial layers forget what they received and complete
+ones get back what ``begin`` kept: a host copy of every kernel tensor and the layer's plain
+attributes, as processing may replace objects the forward pass uses (vLLM CPU's ``cpu_linear``
+closure over packed oneDNN weights). Objects mutated in place are not restored.
 """
 
 from __future__ import annotations
@@ -63,9 +51,8 @@ class LayerwiseReload:
         keep_old: bool = True,
         workers_on_host: int = 1,
     ) -> None:
-        """Open an update; ``keep_old`` keeps what restoring the old weights needs: a host
-        copy of this worker's whole shard, taken now. It is refused before any copy when the
-        host cannot hold it for ``workers_on_host`` workers at once."""
+        """Open an update. ``keep_old`` takes a host copy of this worker's shard now, to restore
+        on abort; MemoryError before any copy if the host cannot hold ``workers_on_host``."""
         if self.active:
             raise RuntimeError("a weight update is already in progress on this worker")
         initialize_layerwise_reload(model)
@@ -95,13 +82,9 @@ class LayerwiseReload:
         finalize_layerwise_reload(model, model_config)
 
     def evacuate(self, storage: torch.Tensor) -> int:
-        """Make buffered weights stop aliasing ``storage``; return how many were copied.
-
-        Layerwise reload keeps a layer's received tensors until the layer is complete. A
-        transport that loads straight from a buffer it must hand back (the NPU-IPC staging
-        ring) calls this after each bucket: tensors of still-incomplete layers that point into
-        the buffer are cloned, everything else has already been consumed.
-        """
+        """Clone the received tensors of incomplete layers that alias ``storage``; return how
+        many. Layerwise reload holds them until the layer is complete, so a transport loading
+        from a buffer it must hand back (the NPU-IPC staging ring) calls this per bucket."""
         ptr, copied = storage.untyped_storage().data_ptr(), 0
         for layer in self._pending:
             info = get_layerwise_info(layer)
@@ -118,12 +101,9 @@ class LayerwiseReload:
         return copied
 
     def abort(self, model_config: ModelConfig) -> tuple[int, int]:
-        """End the update; return (layers restored from the host copy, layers that keep new
-        weights because the update kept no copy). Both count layers that were complete.
-
-        Partial layers forget what they received, so finalize puts their untouched kernel
-        tensors back; complete layers get their old values copied back from the host copy.
-        """
+        """End the update; return (complete layers restored from the host copy, complete
+        layers that keep new weights as no copy was kept). Partial layers forget what they
+        received, so finalize puts their untouched kernel tensors back."""
         if not self.active:
             return 0, 0
         restored = kept = 0

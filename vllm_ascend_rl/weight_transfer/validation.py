@@ -1,11 +1,7 @@
-"""Check a weight update's metadata against the model before any byte is loaded.
-
-vLLM's weight loaders narrow an oversized tensor into its slot without complaint, so an update
-with a wrong shape returns success and serves garbage. Every update is therefore compared with
-the model's checkpoint-format parameters first: names, shapes and dtypes. The expected set comes
-from the checkpoint's safetensors headers (no tensor data is read) or, without safetensors
-files, from the Hugging Face architecture instantiated on the meta device.
-"""
+"""Check a weight update's names, shapes and dtypes against the model before loading a byte:
+vLLM's weight loaders narrow an oversized tensor into its slot silently, so a wrong shape would
+succeed and serve garbage. The expected set comes from the checkpoint's safetensors headers or,
+without them, the Hugging Face architecture on the meta device."""
 
 from __future__ import annotations
 
@@ -132,21 +128,17 @@ def parse_specs(
     return specs
 
 
-# How much of the model an update must carry (the ``validation`` wire parameter). Both refuse
-# unknown names, wrong shapes and wrong dtypes. "partial" lets an update omit whole layers
-# (frozen modules keep their weights) but refuses one that carries only some of a layer's
-# tensors; "complete" refuses any missing checkpoint tensor.
+# How much of the model an update must carry (the ``validation`` wire parameter): "partial"
+# may omit whole layers (frozen modules keep their weights), never part of one; "complete"
+# refuses any missing checkpoint tensor. Both refuse unknown names, shapes and dtypes.
 VALIDATION = ("partial", "complete")
 DEFAULT_VALIDATION = "partial"
 
 
 def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None) -> str:
-    """The serving layer a checkpoint tensor loads into, by name.
-
-    vLLM fuses checkpoint modules into one layer (``packed_modules_mapping``: q/k/v ->
-    ``qkv_proj``, gate/up -> ``gate_up_proj``) and every expert of an MoE block into one
-    ``experts`` layer; a layer is rebuilt only once all its tensors are in.
-    """
+    """The serving layer a checkpoint tensor loads into, by name: vLLM fuses modules
+    (``packed_modules_mapping``: q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and an MoE
+    block's experts into one ``experts`` layer, rebuilt only once all its tensors are in."""
     module = name.rpartition(".")[0]
     if ".experts." in f"{module}.":
         return module[: f"{module}.".index(".experts.") + len(".experts")]
