@@ -1,12 +1,7 @@
 """vllm_ascend_rl: async-RL plumbing for vLLM on Ascend NPUs, runnable and tested on CPU.
-
-``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it once in every
-process (API server, engine core, workers); trainer processes call it themselves before
-``WeightTransferTrainerFactory.trainer_init``. It is idempotent, imports nothing heavy beyond
-vLLM's factory modules, and registers fixed names of its own (``ascend_rl_hccl``,
-``ascend_rl_npu_ipc``, ``ascend_rl_camem``), so it coexists with vllm-ascend in either plugin
-order.
-"""
+``register()`` is the ``vllm.general_plugins`` entry point (vLLM calls it in every process;
+trainers call it before ``WeightTransferTrainerFactory.trainer_init``): idempotent, light, and
+registering names of its own (``ascend_rl_*``), so it coexists with vllm-ascend."""
 
 from __future__ import annotations
 

@@ -1,13 +1,7 @@
-"""The plugin's components in vLLM's factories, under fixed names of our own.
-
-vllm-ascend registers the engine names ``hccl`` and ``npu_ipc`` (and the trainer ``npu_ipc``,
-with trainer ``hccl`` on its way) with unguarded calls, and vLLM calls general plugins without
-catching errors, in an order that follows the site-packages listing. Registering under names
-nobody else uses (``ascend_rl_*``) makes start-up independent of that order: both plugins
-register, every name stays its owner's, and ours are the same in every process. The engine
-classes carry an ``AscendRL`` prefix so vLLM's log line (which names only the class) tells the
-two plugins apart.
-"""
+"""The plugin's components in vLLM's factories, under names of our own (``ascend_rl_*``):
+vllm-ascend registers ``hccl`` and ``npu_ipc`` with unguarded calls, and vLLM runs general
+plugins uncaught in site-packages order, so shared names would make start-up order-dependent.
+The ``AscendRL`` class prefix tells the plugins apart in vLLM's log line (it names the class)."""
 
 from __future__ import annotations
 
@@ -74,10 +68,8 @@ COMPONENTS: tuple[tuple[str, str, str, str, str, str], ...] = (
 
 def register_all() -> dict[str, str]:
     """Register every component; return ``{factory: name}`` of what this call registered.
-
-    Never raises: the names are ours alone, so a duplicate can only mean that something
-    registered them before this process called us, which is logged and left alone.
-    """
+    Never raises: the names are ours alone, so a duplicate (something registered them earlier
+    in this process) is logged and left alone."""
     done: dict[str, str] = {}
     for module, factory, method, name, target, class_name in COMPONENTS:
         register = getattr(getattr(importlib.import_module(module), factory), method)

@@ -1,10 +1,7 @@
-"""Trainer-side control plane for one or more vLLM servers: pause, resume, sleep, wake.
-
-These are vLLM's own dev-mode routes (``VLLM_SERVER_DEV_MODE=1``); this client only adds what
-an RL loop needs around them: fan-out to every engine behind an external load balancer (each
-must be paused on its own), a ``node_rank`` guard so only the control node of a multi-node
-engine sends requests, finite timeouts, and errors that carry the server's message.
-"""
+"""Trainer-side control plane for one or more vLLM servers: pause, resume, sleep, wake. Adds to
+vLLM's dev-mode routes (``VLLM_SERVER_DEV_MODE=1``) what an RL loop needs: fan-out to every
+engine (each must be paused on its own), a ``node_rank`` guard, finite timeouts, and errors that
+carry the server's message."""
 
 from __future__ import annotations
 
@@ -30,9 +27,8 @@ UNDO = {"/pause": "/resume", "/sleep": "/wake_up"}
 
 
 class FanOutError(EngineControlError):
-    """A control call failed on some of several engines; ``failures`` maps each failed URL
-    to its error, and ``undone`` each engine where the call was taken back (``None``: the
-    undo succeeded, else its error)."""
+    """A control call failed on some engines. ``failures``: failed URL -> its error;
+    ``undone``: URL where the call was taken back -> ``None``, or the undo's error."""
 
     def __init__(
         self,
@@ -83,10 +79,8 @@ def error_message(response: requests.Response) -> str:
 
 class EngineControlClient:
     """Control one engine (a URL) or several (a list); calls fan out to all of them.
-
-    ``node_rank != 0`` turns every call into a no-op returning ``None``, the guard RL
-    frameworks need when each node's actor holds a handle to the same server.
-    """
+    ``node_rank != 0`` makes every call a no-op returning ``None``: the guard RL frameworks
+    need when each node's actor holds a handle to the same server."""
 
     def __init__(
         self, urls: str | Sequence[str], *, node_rank: int = 0, timeout_s: float = 300.0
@@ -109,8 +103,8 @@ class EngineControlClient:
         timeout_s: float | None = None,
     ) -> Any:
         try:
-            # A fresh connection per call: after an unhandled server error Starlette closes
-            # the connection, and a reused keep-alive socket would fail the next call.
+            # A fresh connection per call: Starlette closes the connection after an unhandled
+            # server error, which would fail the next call on a reused keep-alive socket.
             r = requests.request(
                 method, url + route, params=params, json=json, timeout=timeout_s or self.timeout_s
             )
@@ -131,10 +125,9 @@ class EngineControlClient:
         json: Any = None,
         timeout_s: float | None = None,
     ) -> list[Any] | None:
-        """One call per engine, at once. All or nothing: if any engine fails, the engines
-        where a ``/pause`` or ``/sleep`` took effect are resumed or woken again (``UNDO``),
-        and ``FanOutError`` names every failed engine. Other routes report the failures
-        after every engine had its call."""
+        """One call per engine, at once. All or nothing: if any engine fails, those where a
+        ``/pause`` or ``/sleep`` took effect are resumed or woken (``UNDO``), and
+        ``FanOutError`` names every failed engine; other routes just report the failures."""
         if self.node_rank != 0:
             return None
         if len(self.urls) == 1:
@@ -171,8 +164,7 @@ class EngineControlClient:
     def request(
         self, method: str, route: str, params: Any = None, json: Any = None
     ) -> list[Any] | None:
-        """Any dev-mode route on every engine, with the all-or-nothing rule of the typed
-        calls (the router fans control routes out through this)."""
+        """Any dev-mode route on every engine, all or nothing (the router's fan-out)."""
         return self._fan_out(method, route, params, json)
 
     def _agreed(self, values: Iterable[Any], what: str) -> Any:
@@ -185,12 +177,9 @@ class EngineControlClient:
     def pause(
         self, mode: PauseMode = "keep", clear_cache: bool = True, timeout_s: float | None = None
     ) -> None:
-        """``POST /pause``; returns once every engine's pause is complete.
-
-        ``keep`` with ``clear_cache=True`` (vLLM's default) preempts running requests so that
-        after a weight update they recompute with the new weights; ``clear_cache=False`` keeps
-        their KV cache, which is stale after an update.
-        """
+        """``POST /pause``; returns once every engine's pause is complete. ``keep`` with
+        ``clear_cache=True`` (vLLM's default) preempts running requests so they recompute with
+        the weights loaded at resume; ``clear_cache=False`` keeps their (then stale) KV cache."""
         self._fan_out(
             "POST",
             "/pause",
@@ -224,8 +213,7 @@ class EngineControlClient:
         return None if out is None else self._agreed((o["checksums"] for o in out), "weights")
 
     def weight_mismatches(self, baseline: dict[str, str]) -> list[str]:
-        """The tensors whose digest differs from ``baseline`` (e.g. a fresh engine's
-        :meth:`weight_checksums` on the same version) on any engine; empty when all match."""
+        """Tensors whose digest differs from ``baseline`` on any engine; empty when all match."""
         out = self._fan_out(
             "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
         )
@@ -248,8 +236,7 @@ class EngineControlClient:
         )
 
     def collective_rpc(self, method: str, **kwargs: str) -> list[list[Any]] | None:
-        """Call ``method`` on every worker of every engine (vLLM's dev-mode
-        ``/collective_rpc``); one list of worker results per engine."""
+        """``method`` on every worker of every engine (``/collective_rpc``); results per engine."""
         out = self._fan_out("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
         return (
             None if out is None else [o.get("results") if isinstance(o, dict) else o for o in out]

@@ -1,9 +1,5 @@
-"""Loggers whose lines reach the vLLM server log.
-
-vLLM configures a handler only for the ``vllm`` logger tree, so a logger named
-``vllm_ascend_rl.x`` would drop its INFO lines in a server; ``vllm.vllm_ascend_rl.x`` propagates
-to vLLM's handler and formats like vLLM's own lines.
-"""
+"""Loggers whose lines reach the vLLM server log: vLLM configures a handler only for the
+``vllm`` logger tree, so ``vllm_ascend_rl.x`` logs as ``vllm.vllm_ascend_rl.x``."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
-"""Schedulers for async RL, loaded with ``--scheduler-cls``.
+"""Schedulers for async RL, loaded with ``--scheduler-cls`` (docs/scheduler.md).
 
-They are thin subclasses of vLLM's own schedulers on purpose. ``schedule()``,
-``update_from_output()``, ``set_pause_state()`` and ``finish_requests()`` run upstream's code
-(the two overrides below only wrap it), so ``/pause`` (``abort``/``wait``/``keep``), ``/resume``
-and ``/is_paused`` behave exactly as in vLLM: PAUSED_ALL zeroes the token budget and PAUSED_NEW
-closes the waiting queue. vllm-ascend forked ~1,100 lines of these methods and has chased
-upstream drift since; a subclass that only overrides hooks cannot drift that way.
-
-Recompute policy (``--additional-config '{"ascend_rl": {"recompute_mode": "bounce"}}'``):
-
-- ``local`` (default): upstream preemption; a KV-starved victim is re-prefilled here later.
-- ``bounce``: a victim that ``schedule()`` preempts because KV blocks ran out is finished with
-  ``finish_reason="abort"``, ``stop_reason="recomputed"``, carrying the tokens it generated, so
-  a router (:mod:`vllm_ascend_rl.router`) resends prompt + generated tokens to another engine.
-  The pair cannot be a natural end: a stop-string match finishes ``"stop"``, and an abort
-  carries no stop reason. So a client that is not behind the router sees an unfinished
-  rollout, and a user's ``stop=["recomputed"]`` is never taken for a bounce. ``bounce`` is
-  refused with a KV or EC connector: a bounced request's blocks would be freed while a
-  connector may still be transferring them.
-  The victim is upstream's choice (FCFS: the last running; PRIORITY: the lowest priority).
-  Preemptions from outside ``schedule()`` (``reset_prefix_cache(reset_running_requests=True)``
-  during a pause with ``clear_cache`` or a weight update) are never bounced: they are how
-  ``pause(keep)`` keeps requests alive across a weight swap.
+Thin subclasses of vLLM's schedulers on purpose: overrides only wrap upstream's methods, so
+``/pause``, ``/resume`` and ``/is_paused`` behave as in vLLM and no copied loop can drift.
+``recompute_mode=bounce`` (``--additional-config '{"ascend_rl": {"recompute_mode": "bounce"}}'``)
+finishes a victim that ``schedule()`` preempts for KV blocks with ``finish_reason="abort"``,
+``stop_reason="recomputed"`` (a pair no natural end has) and its generated tokens, for the
+router to resend elsewhere. Preemptions outside ``schedule()`` (``pause(keep)``, weight
+updates) are never bounced. ``local`` (the default) is upstream's preemption.
 """
 
 from __future__ import annotations
@@ -89,10 +74,7 @@ def refuse_bounce_with_connector(vllm_config: Any) -> None:
 
 
 class RecomputeScheduler(Scheduler):
-    """vLLM's synchronous scheduler plus the recompute policy.
-
-    CPU hosts force synchronous scheduling, so this is what runs there by default.
-    """
+    """vLLM's synchronous scheduler plus the recompute policy."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_bounce_with_connector(kwargs.get("vllm_config") or args[0])
@@ -107,7 +89,7 @@ class RecomputeScheduler(Scheduler):
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        # Marks the only preemptions that may bounce: the ones upstream's loop makes for blocks.
+        # Only preemptions made inside schedule() (for KV blocks) may bounce.
         self._in_schedule = True
         try:
             return super().schedule(*args, **kwargs)
@@ -222,10 +204,8 @@ def workers_not_whole(engine_core: Any) -> str | None:
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
-    """The same policy over vLLM's ``AsyncScheduler`` (output placeholders for overlapped
-    steps). It also runs correctly under synchronous stepping, so one flag works on CPU and NPU:
-    ``--scheduler-cls vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler``.
-    """
+    """The same policy over vLLM's ``AsyncScheduler``; also correct under synchronous
+    stepping (CPU), so one ``--scheduler-cls`` works on CPU and NPU."""
 
 
 __all__ = [

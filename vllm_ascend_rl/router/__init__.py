@@ -1,26 +1,11 @@
 """A router in front of vLLM engines that turns bounced completions into uninterrupted ones.
 
-An engine in ``recompute_mode=bounce`` finishes a KV-starved request with
-``finish_reason="abort"``, ``stop_reason="recomputed"`` and the tokens it generated. This router
-resends prompt + generated tokens (as token ids, so nothing is re-tokenized) with the remaining
-``max_tokens`` to the least-loaded engine and stitches the pieces, so its client sees one
-completion: one id, one stream, all the tokens, usage counted against the original prompt.
-
     python -m vllm_ascend_rl.router --engines http://h1:8000,http://h2:8000 --port 9000
 
-``POST /v1/completions`` (one prompt, string or token ids; ``n=1``; streaming or not) is
-routed this way. The other data-plane paths (``/v1/*``, ``/health``, ``/metrics``, ...) go to
-one engine as they are (a bounced chat completion therefore reaches its client as
-``finish_reason="abort"``, ``stop_reason="recomputed"``). ``GET /router/stats`` reports the
-requests and resends per engine.
-
-A control route must never reach one replica only. ``/pause``, ``/resume``, ``/sleep``,
-``/wake_up``, ``/is_paused``, ``/is_sleeping`` and ``/reset_prefix_cache`` go to every engine,
-all or nothing (:class:`~vllm_ascend_rl.client.EngineControlClient`): if one engine fails to
-pause or sleep, the others are resumed or woken, and the error names the failed engine; a
-state the engines disagree on answers 409. Every other path, the weight-transfer routes and
-``/collective_rpc`` among them, is refused with 403: each engine needs its own call (its own
-rank offset), so send those to the engines directly.
+A bounced ``POST /v1/completions`` (one prompt, ``n=1``) is resent as prompt + generated token
+ids to the least-loaded engine and stitched into one completion. Other data-plane paths go to
+one engine; control routes (:data:`FANNED_OUT`) to every engine, all or nothing; any other path
+is refused with 403, as each engine needs its own call. See docs/scheduler.md#the-router.
 """
 
 from __future__ import annotations
