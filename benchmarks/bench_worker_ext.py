@@ -1,8 +1,8 @@
 """Worker extension for benchmarks (``--worker-extension-cls``), reached through
 ``POST /collective_rpc`` (string arguments): transfers on the weight-transfer engine's own
 connection that skip loading, and loads that skip the transport, so a benchmark separates
-the transport from vLLM's layerwise reload. They use the engines' own handshake (``_agree``),
-bucket stream (``_buckets``) and update session, and are not part of the package."""
+the transport from vLLM's layerwise reload. They use the engines' own handshake (``agree``),
+bucket stream (``buckets``) and update session, and are not part of the package."""
 
 from __future__ import annotations
 
@@ -12,14 +12,6 @@ import time
 import torch
 
 from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
-
-
-def _plan(engine, info):
-    """The engine's bucket plan for ``info`` (HCCL sends large tensors alone)."""
-    from vllm_ascend_rl.weight_transfer import hccl
-
-    direct = isinstance(engine, hccl.AscendRLHCCLWeightTransferEngine)
-    return plan_for(engine.init_info, info.specs, hccl.DIRECT_BYTES if direct else None)
 
 
 class WeightSyncBenchExtension:
@@ -40,11 +32,11 @@ class WeightSyncBenchExtension:
         ``keep`` (non-empty): keep the buckets for :meth:`bench_load_only`."""
         engine = self.weight_transfer_engine
         info = engine.parse_update_info(json.loads(update_info))
-        plan = _plan(engine, info)
+        plan = plan_for(engine.init_info, info.specs, engine.alone_bytes)
         kept = []
         t0 = time.perf_counter()
-        engine._agree(Verdict.GO, None, plan, info)
-        for bucket, buf in engine._buckets(plan):
+        engine.agree(Verdict.GO, None, plan, info)
+        for bucket, buf in engine.buckets(plan):
             if keep:
                 kept.append((bucket, buf.clone()))
             del buf  # as a real update: the transport may check the buffer was released

@@ -55,13 +55,12 @@ def _engine(cls, info):
 
 
 def _plan(engine, specs):
-    alone = DIRECT_BYTES if isinstance(engine, AscendRLHCCLWeightTransferEngine) else None
-    return plan_for(engine.init_info, specs, alone)
+    return plan_for(engine.init_info, specs, engine.alone_bytes)
 
 
 def _receive(engine, specs) -> dict[str, torch.Tensor]:
     got = {}
-    for bucket, buf in engine._buckets(_plan(engine, specs)):
+    for bucket, buf in engine.buckets(_plan(engine, specs)):
         for spec, off in zip(bucket.specs, bucket.offsets, strict=True):
             got[spec.name] = buf[off : off + spec.nbytes].clone()
         del buf  # loaded: as the engine's receive_weights drops it
@@ -153,6 +152,6 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         _, peak = engine.session.pool.end_update()
         assert peak <= BUCKET, peak  # copy-out takes a bucket per packed bucket, none for pieces
     finally:
-        engine._disconnect()
+        engine.disconnect()
         trainer.shutdown()
         listener.close()

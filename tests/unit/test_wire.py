@@ -136,7 +136,7 @@ def test_an_update_whose_plan_differs_is_refused_before_any_byte():
         engine.channel, engine.init_info = ch, info
         plan = plan_for(info, specs, DIRECT_BYTES)
         with pytest.raises(WeightUpdateRefused, match="plan differs"):
-            engine._agree(Verdict.GO, None, plan)
+            engine.agree(Verdict.GO, None, plan)
         return ch.broken
 
     (verdict, trainer_broken), engine_broken = run_ranks(2, body)

@@ -1,15 +1,19 @@
-"""Engine-side functions both transports use: set-up, vetting an update, ending a failed one.
+"""The engine side both transports share, as functions.
 
-An engine (``hccl.py``, ``npu_ipc.py``) implements vLLM's ``WeightTransferEngine`` itself and
-keeps its update state in an :class:`~vllm_ascend_rl.weight_transfer.session.UpdateSession`.
-One update on either transport:
+An engine (``hccl.py``, ``npu_ipc.py``) implements vLLM's ``WeightTransferEngine`` and keeps its
+update state in an :class:`~vllm_ascend_rl.weight_transfer.session.UpdateSession`. vLLM's methods
+whose logic is the same on both transports are the functions below the line "vLLM's engine
+methods"; each engine class binds them by name. The transport provides ``init_transfer_engine``
+and four steps: ``require_connected()``, ``agree(verdict, reason, plan, info)`` (the handshake;
+raises unless everyone goes ahead), ``buckets(plan)`` (yields ``(bucket, uint8 buffer)``) and
+``disconnect()``. One update (:func:`receive_weights`):
 
 1. ``session.receive`` (the update must be open), then :func:`vet_update`: the metadata is
    checked against the model, nothing is loaded yet;
-2. the handshake: the engine's :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the
-   plan's signature meet the trainer's; anything but GO from everyone ends the update;
-3. bucket after bucket is loaded through ``session.load``; then ``session.loaded``;
-4. any failure: :func:`update_failed` ends the update (old weights back) and says what the
+2. ``agree``: the engine's :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the plan's
+   signature meet the trainer's;
+3. every bucket is loaded through ``session.load``, then ``session.loaded``;
+4. any failure: :func:`update_weights` ends the update (old weights back) and says what the
    model holds; the transport drops its connection first if bytes may be out of step.
 """
 
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_ascend_rl.device import Device, device_for, worker_index
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
@@ -28,7 +33,13 @@ from vllm_ascend_rl.weight_transfer.validation import (
     expected_params,
     validate_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import CheckpointUpdateInfo, Verdict, WireParams
+from vllm_ascend_rl.weight_transfer.wire import (
+    CheckpointUpdateInfo,
+    Verdict,
+    WireParams,
+    parse_wire,
+    plan_for,
+)
 
 # vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
 # worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
@@ -111,7 +122,7 @@ def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused
     return WeightUpdateRefused(reason)
 
 
-def update_failed(session: UpdateSession, e: BaseException) -> BaseException:
+def _ended(session: UpdateSession, e: BaseException) -> BaseException:
     """End the update ``update_weights`` failed with ``e``; the error to raise instead, saying
     what the model holds now."""
     state = session.fail()
@@ -142,3 +153,56 @@ def load_buckets(
             "next update"
         ) from e
     session.loaded()
+
+
+# -- vLLM's engine methods, the same on both transports --------------------------------------
+def parse_init_info(engine: Any, init_dict: Any) -> Any:
+    return parse_wire(engine.init_info_cls, init_dict)
+
+
+def parse_update_info(engine: Any, update_dict: Any) -> Any:
+    return parse_wire(engine.update_info_cls, update_dict)
+
+
+def start_weight_update(engine: Any) -> None:
+    engine.require_connected()
+    engine.session.start()
+
+
+def finish_weight_update(engine: Any) -> None:
+    engine.session.finish()
+
+
+def update_weights(engine: Any, update_info: Any) -> None:
+    """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
+    try:
+        WeightTransferEngine.update_weights(engine, update_info)
+    except Exception as e:
+        raise _ended(engine.session, e) from e
+
+
+def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: Any) -> None:
+    check_receive_call(legacy)
+    engine.require_connected()
+    engine.session.receive(update_info.weight_version)
+    verdict, reason = vet_update(engine, update_info, engine.init_info)
+    plan = plan_for(engine.init_info, update_info.specs, engine.alone_bytes)
+    engine.agree(verdict, reason, plan, update_info)
+    load_buckets(engine.session, engine.buckets(plan), update_info.specs, engine.disconnect)
+
+
+def shutdown(engine: Any) -> None:
+    engine.session.cancel("the weight transfer engine was shut down")
+    engine.disconnect()
+    release_buffers(engine)
+
+
+def release_buffers(engine: Any) -> None:
+    """Give back the receive pool (e.g. before the engine sleeps)."""
+    engine.session.pool.release()
+
+
+def not_initialized(engine: Any) -> RuntimeError:
+    return RuntimeError(
+        f"{type(engine).__name__} is not initialized: call init_weight_transfer_engine first"
+    )

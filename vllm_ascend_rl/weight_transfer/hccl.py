@@ -34,25 +34,20 @@ from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.device.group import exec_timeout_s
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.engine_side import (
     TransferFailed,
     check_init,
-    check_receive_call,
     engine_setup,
-    load_buckets,
     refused,
-    update_failed,
-    vet_update,
 )
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     CheckpointUpdateInfo,
     Verdict,
     WireParams,
-    parse_wire,
-    plan_for,
     plan_signature,
     wire_dataclass,
     wire_signature,
@@ -103,6 +98,16 @@ class AscendRLHCCLWeightTransferEngine(
     init_info_cls = AscendRLHCCLWeightTransferInitInfo
     update_info_cls = AscendRLHCCLWeightTransferUpdateInfo
     supports_draft_weight_update = False  # vetted against, and loaded into, the target model
+    alone_bytes = DIRECT_BYTES  # large tensors are broadcast from their own memory
+    # vLLM's methods that are the same on every transport (engine_side).
+    parse_init_info = engine_side.parse_init_info
+    parse_update_info = engine_side.parse_update_info
+    start_weight_update = engine_side.start_weight_update
+    update_weights = engine_side.update_weights
+    receive_weights = engine_side.receive_weights
+    finish_weight_update = engine_side.finish_weight_update
+    shutdown = engine_side.shutdown
+    release_buffers = engine_side.release_buffers
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
@@ -143,7 +148,7 @@ class AscendRLHCCLWeightTransferEngine(
                 f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
             )
         self.session.cancel("init_weight_transfer_engine was called during it")
-        self._disconnect()
+        self.disconnect()
         self.channel, self.init_info = channel, init_info
         self.session.configure(
             init_info.on_failure,
@@ -159,57 +164,16 @@ class AscendRLHCCLWeightTransferEngine(
             init_info.packed_num_buffers,
         )
 
-    def parse_init_info(self, init_dict):
-        return parse_wire(self.init_info_cls, init_dict)
-
-    def parse_update_info(self, update_dict):
-        return parse_wire(self.update_info_cls, update_dict)
-
-    def start_weight_update(self) -> None:
-        self._require_connected()
-        self.session.start()
-
-    def finish_weight_update(self) -> None:
-        self.session.finish()
-
-    def update_weights(self, update_info) -> None:
-        """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
-        try:
-            super().update_weights(update_info)
-        except Exception as e:
-            raise update_failed(self.session, e) from e
-
-    def receive_weights(self, update_info: AscendRLHCCLWeightTransferUpdateInfo, **legacy):
-        check_receive_call(legacy)
-        self._require_connected()
-        self.session.receive(update_info.weight_version)
-        verdict, reason = vet_update(self, update_info, self.init_info)
-        specs = update_info.specs
-        plan = plan_for(self.init_info, specs, DIRECT_BYTES)
-        self._agree(verdict, reason, plan)
-        load_buckets(self.session, self._buckets(plan), specs, self._disconnect)
-
-    def shutdown(self) -> None:
-        self.session.cancel("the weight transfer engine was shut down")
-        self._disconnect()
-        self.release_buffers()
-
-    def release_buffers(self) -> None:
-        """Give back the receive pool (e.g. before the engine sleeps)."""
-        self.session.pool.release()
-
-    def _require_connected(self) -> None:
+    def require_connected(self) -> None:
         if self.channel is None or self.channel.broken:
-            raise RuntimeError(
-                f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
-            )
+            raise engine_side.not_initialized(self)
 
-    def _agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info=None) -> None:
+    def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info=None) -> None:
         """The update handshake; raises unless every rank goes ahead with the same plan."""
         try:
             outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
         except ChannelError as e:
-            self._disconnect()  # first: nothing may wait behind a collective on a dead peer
+            self.disconnect()  # first: nothing may wait behind a collective on a dead peer
             if reason is not None:  # an update_weights no trainer takes part in
                 raise WeightUpdateRefused(f"{reason} (and no trainer joined: {e})") from e
             raise TransferFailed(f"the trainer did not join the update: {e}") from e
@@ -217,7 +181,7 @@ class AscendRLHCCLWeightTransferEngine(
         if refusal is not None:
             raise refusal
 
-    def _buckets(self, plan: list[Bucket]):
+    def buckets(self, plan: list[Bucket]):
         """Bucket i+1.. are in flight while bucket i is loaded. A bucket larger than the
         agreed bucket size (a tensor sent alone) travels in pieces of that size, assembled in
         host memory, so no receive buffer on the device is larger than a bucket."""
@@ -243,7 +207,7 @@ class AscendRLHCCLWeightTransferEngine(
         if start + buf.numel() == bucket.nbytes:
             yield bucket, whole
 
-    def _disconnect(self) -> None:
+    def disconnect(self) -> None:
         channel, self.channel = self.channel, None
         if channel is None:
             return

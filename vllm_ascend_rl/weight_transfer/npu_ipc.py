@@ -41,16 +41,13 @@ from vllm_ascend_rl._registration import NPU_IPC_BACKEND
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import ImportedBuffer, IpcHandleError, worker_index
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_side import (
     check_init,
-    check_receive_call,
     engine_setup,
-    load_buckets,
     refused,
-    update_failed,
-    vet_update,
 )
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
@@ -59,8 +56,6 @@ from vllm_ascend_rl.weight_transfer.wire import (
     NumBuffers,
     Verdict,
     WireParams,
-    parse_wire,
-    plan_for,
     plan_signature,
     wire_dataclass,
     wire_signature,
@@ -118,6 +113,16 @@ class AscendRLNPUIPCWeightTransferEngine(
     init_info_cls = AscendRLNPUIPCWeightTransferInitInfo
     update_info_cls = AscendRLNPUIPCWeightTransferUpdateInfo
     supports_draft_weight_update = False  # vetted against, and loaded into, the target model
+    alone_bytes = None  # a tensor larger than a bucket crosses the ring in pieces
+    # vLLM's methods that are the same on every transport (engine_side).
+    parse_init_info = engine_side.parse_init_info
+    parse_update_info = engine_side.parse_update_info
+    start_weight_update = engine_side.start_weight_update
+    update_weights = engine_side.update_weights
+    receive_weights = engine_side.receive_weights
+    finish_weight_update = engine_side.finish_weight_update
+    shutdown = engine_side.shutdown
+    release_buffers = engine_side.release_buffers
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
@@ -150,7 +155,7 @@ class AscendRLNPUIPCWeightTransferEngine(
             raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         # Only now: a failed init leaves the live connection alone.
         self.session.cancel("init_weight_transfer_engine was called during it")
-        self._disconnect()
+        self.disconnect()
         self.doorbell, self.init_info = doorbell, init_info
         self.session.configure(
             init_info.on_failure,
@@ -165,52 +170,11 @@ class AscendRLNPUIPCWeightTransferEngine(
             init_info.zero_copy,
         )
 
-    def parse_init_info(self, init_dict):
-        return parse_wire(self.init_info_cls, init_dict)
-
-    def parse_update_info(self, update_dict):
-        return parse_wire(self.update_info_cls, update_dict)
-
-    def start_weight_update(self) -> None:
-        self._require_connected()
-        self.session.start()
-
-    def finish_weight_update(self) -> None:
-        self.session.finish()
-
-    def update_weights(self, update_info) -> None:
-        """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
-        try:
-            super().update_weights(update_info)
-        except Exception as e:
-            raise update_failed(self.session, e) from e
-
-    def receive_weights(self, update_info: AscendRLNPUIPCWeightTransferUpdateInfo, **legacy):
-        check_receive_call(legacy)
-        self._require_connected()
-        self.session.receive(update_info.weight_version)
-        verdict, reason = vet_update(self, update_info, self.init_info)
-        specs = update_info.specs
-        plan = plan_for(self.init_info, specs, None)
-        self._agree(verdict, reason, plan, update_info)
-        load_buckets(self.session, self._buckets(plan), specs, self._disconnect)
-
-    def shutdown(self) -> None:
-        self.session.cancel("the weight transfer engine was shut down")
-        self._disconnect()
-        self.release_buffers()
-
-    def release_buffers(self) -> None:
-        """Give back the receive pool (e.g. before the engine sleeps)."""
-        self.session.pool.release()
-
-    def _require_connected(self) -> None:
+    def require_connected(self) -> None:
         if self.doorbell is None or self.doorbell.broken:
-            raise RuntimeError(
-                f"{type(self).__name__} is not initialized: call init_weight_transfer_engine first"
-            )
+            raise engine_side.not_initialized(self)
 
-    def _agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info) -> None:
+    def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info) -> None:
         """The update handshake over the doorbell: this worker's verdict (after mapping the
         ring) and plan go to its trainer rank, which answers with everyone's verdict."""
         if verdict == Verdict.GO:
@@ -263,7 +227,7 @@ class AscendRLNPUIPCWeightTransferEngine(
             raise IpcHandleError(f"staging buffers hold {small} bytes but a bucket needs {need}")
         self._ring = ring
 
-    def _buckets(self, plan: list[Bucket]):
+    def buckets(self, plan: list[Bucket]):
         """Piece k of the update is in ring slot k % len(ring). A bucket larger than a slot
         (one tensor) arrives in slot-sized pieces, assembled in host memory."""
         doorbell, ring, piece = self.doorbell, self._ring, self.init_info.packed_buffer_size_bytes
@@ -303,7 +267,7 @@ class AscendRLNPUIPCWeightTransferEngine(
                 "loader keeps what it is given, so init with zero_copy=False"
             )
 
-    def _disconnect(self) -> None:
+    def disconnect(self) -> None:
         if self.doorbell is not None:
             self.doorbell.close()
             self.doorbell = None
