@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_ascend_rl.device import (
+from vllm_ascend_rl.device.base import (
     Device,
     ExportedBuffer,
     GroupBackend,

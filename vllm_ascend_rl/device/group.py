@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-    from vllm_ascend_rl.device import Device
+    from vllm_ascend_rl.device.base import Device
 
 GROUP_NAME = "vllm_ascend_rl_weights"
 

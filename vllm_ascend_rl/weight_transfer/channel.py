@@ -122,7 +122,7 @@ class BroadcastChannel:
             # The backend's own timer runs timeout_s from issue; gloo words its expiry "Timed
             # out ..." or "Application timeout caused pair closure". Late means timeout.
             late = time.monotonic() - started >= 0.8 * self.timeout_s
-            if late and "no progress" not in detail:
+            if late and not isinstance(e, TimeoutError):  # ours already says so
                 detail = f"no progress within timeout_s={self.timeout_s:.0f}s ({detail})"
             self.broken = f"{what} failed: {detail}"
             raise ChannelError(self.broken) from e
