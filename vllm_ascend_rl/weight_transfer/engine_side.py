@@ -1,21 +1,12 @@
-"""The engine side both transports share, as functions.
+"""Engine side both transports share: each engine class (``hccl.py``, ``npu_ipc.py``) binds the
+functions below "vLLM's engine methods" by name and keeps its state in an ``UpdateSession``.
 
-An engine (``hccl.py``, ``npu_ipc.py``) implements vLLM's ``WeightTransferEngine`` and keeps its
-update state in an :class:`~vllm_ascend_rl.weight_transfer.session.UpdateSession`. vLLM's methods
-whose logic is the same on both transports are the functions below the line "vLLM's engine
-methods"; each engine class binds them by name. The transport provides ``init_transfer_engine``
-and four steps: ``require_connected()``, ``agree(verdict, reason, plan, info)`` (the handshake;
-raises unless everyone goes ahead), ``buckets(plan)`` (yields ``(bucket, uint8 buffer)``) and
-``disconnect()``. One update (:func:`receive_weights`):
-
-1. ``session.receive`` (the update must be open), then :func:`vet_update`: the metadata is
-   checked against the model, nothing is loaded yet;
-2. ``agree``: the engine's :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the plan's
-   signature meet the trainer's;
-3. every bucket is loaded through ``session.load``, then ``session.loaded``;
-4. any failure: :func:`update_weights` ends the update (old weights back) and says what the
-   model holds; the transport drops its connection first if bytes may be out of step.
-"""
+A transport provides ``init_transfer_engine`` and four steps: ``require_connected()``;
+``agree(verdict, reason, plan, info)``, the handshake, which raises unless every side goes
+ahead; ``buckets(plan)``, yielding ``(bucket, uint8 buffer)``; ``disconnect()``, called first
+when bytes may be out of step. :func:`receive_weights` is one update: ``session.receive``,
+:func:`vet_update` (nothing loaded yet), ``agree``, ``session.load`` per bucket,
+``session.loaded``; on any failure :func:`update_weights` ends it, saying what the model holds."""
 
 from __future__ import annotations
 
@@ -41,9 +32,8 @@ from vllm_ascend_rl.weight_transfer.wire import (
     plan_for,
 )
 
-# vllm-ascend releases v0.22-v0.26 (and tag v0.23.0) drive engines the pre-lifecycle way: the
-# worker runs layerwise reload itself and calls receive_weights(info, load_weights=...), so our
-# start/finish never run. The lifecycle we implement arrived on vllm-ascend main in 9eabafb0c8.
+# vllm-ascend v0.22-v0.26 (and tag v0.23.0) run layerwise reload in the worker and call
+# receive_weights(info, load_weights=...), never our start/finish (lifecycle: main 9eabafb0c8).
 LEGACY_WORKER = (
     "this vllm-ascend release calls receive_weights(info, load_weights=...) and never "
     "start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's engines need "
@@ -57,8 +47,8 @@ class TransferFailed(RuntimeError):
 
 
 def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSession]:
-    """An engine's device and update session; refuses at engine start, not at the trainer's
-    first sync, a stack that would refuse every weight update."""
+    """An engine's device and session; ValueError now, not at the first sync, on a stack that
+    would refuse every update."""
     parallel = engine.parallel_config
     hw = device_for(device, cpu_chip=worker_index(parallel))
     refusal = hw.weight_update_refusal()
@@ -69,8 +59,8 @@ def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSessi
 
 
 def check_init(vllm_config: Any, wire: WireParams) -> None:
-    """Refusals that need this engine's config, before any rendezvous: ``hold`` relies on the
-    plugin scheduler to refuse ``/resume`` while the weights are not whole."""
+    """Refuse, before any rendezvous, ``hold`` without the plugin scheduler (it refuses
+    ``/resume`` while the weights are not whole)."""
     from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
 
     scheduler = vllm_config.scheduler_config.get_scheduler_cls()
@@ -123,8 +113,7 @@ def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused
 
 
 def _ended(session: UpdateSession, e: BaseException) -> BaseException:
-    """End the update ``update_weights`` failed with ``e``; the error to raise instead, saying
-    what the model holds now."""
+    """End the update ``e`` failed; the error to raise instead, saying what the model holds."""
     state = session.fail()
     if isinstance(e, ValueError):  # refusals and malformed calls: nothing was loaded
         return WeightUpdateRefused(f"refused weight update, {state}: {e}")
@@ -137,8 +126,8 @@ def load_buckets(
     specs: list[TensorSpec],
     disconnect: Callable[[], None],
 ) -> None:
-    """Load every bucket a transport yields; if the transfer breaks, drop the connection
-    first (nothing may wait behind a transfer on a dead peer) and say how far it got."""
+    """Load every bucket; a broken transfer disconnects first (nothing may wait behind a
+    transfer on a dead peer) and raises TransferFailed saying how far it got."""
     received = 0
     try:
         for bucket, buf in buckets:

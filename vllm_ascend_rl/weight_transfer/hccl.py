@@ -1,19 +1,6 @@
-"""HCCL weight transfer, engine side: the trainer (rank 0) broadcasts checkpoint-format weights
-to every engine worker (rank ``dp_index * world_size + rank + rank_offset``).
-
-On Ascend the collective is HCCL; on CPU hosts the same code runs over gloo (see
-:mod:`vllm_ascend_rl.device`). The wire parameters are sent by the trainer at init and both
-sides sign them; every update is vetted against the model before any byte moves, agreed by all
-ranks (a :class:`~vllm_ascend_rl.weight_transfer.wire.Verdict` and the plan's signature), then
-streamed in buckets while the engine loads the previous bucket. The trainer side is
-:mod:`vllm_ascend_rl.weight_transfer.hccl_trainer`::
-
-    vllm_ascend_rl.register()
-    engine = WeightTransferTrainerFactory.trainer_init(
-        HCCLTrainerInitInfo(master_address=ip, master_port=port, world_size=n + 1, rank=0),
-        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
-    result = engine.send_weights(weight_version="step-7")   # bytes, seconds, GB/s
-"""
+"""HCCL weight transfer, engine side and infos (docs/weight-transfer.md#hccl): the trainer,
+rank 0, broadcasts to every engine worker, rank ``dp_index * world_size + rank + rank_offset``;
+gloo on CPU. The trainer side is :mod:`vllm_ascend_rl.weight_transfer.hccl_trainer`."""
 
 from __future__ import annotations
 
@@ -55,17 +42,14 @@ from vllm_ascend_rl.weight_transfer.wire import (
 
 logger = get_logger(__name__)
 
-# Packed, small tensors share buckets (one collective each) and tensors above this go straight
-# from their own memory: a staging copy would only add a memcpy to a transfer already long
-# enough to amortize the per-collective cost. Unpacked: one tensor per collective.
+# Packed, a tensor above this is broadcast alone from its own memory: staging would only add a
+# memcpy to a transfer long enough to amortize its collective.
 DIRECT_BYTES = 8 << 20
 
 
 @wire_dataclass
 class HCCLTrainerInitInfo(TrainerInitInfo, WireParams):
-    """Trainer-side init info. ``world_size`` = 1 trainer + every engine worker (TP*PP*DP).
-    ``timeout_s`` bounds every rendezvous and collective: a dead peer turns into an error
-    within it, never a hang."""
+    """Trainer-side init info; ``world_size`` = 1 trainer + every engine worker (TP*PP*DP)."""
 
     backend: ClassVar[str] = HCCL_BACKEND
 
@@ -93,7 +77,7 @@ class AscendRLHCCLWeightTransferEngine(
     EngineCompat,
     WeightTransferEngine[AscendRLHCCLWeightTransferInitInfo, AscendRLHCCLWeightTransferUpdateInfo],
 ):
-    """Engine (worker) side. Loads through vLLM's layerwise reload; refuses bad updates whole."""
+    """Engine (worker) side: loads through vLLM's layerwise reload, refuses bad updates whole."""
 
     init_info_cls = AscendRLHCCLWeightTransferInitInfo
     update_info_cls = AscendRLHCCLWeightTransferUpdateInfo
@@ -124,8 +108,7 @@ class AscendRLHCCLWeightTransferEngine(
                 f"{rank - init_info.rank_offset} (rank_offset={init_info.rank_offset}): "
                 "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
-        # The live connection (if any) stays until the new one is up: a stale trainer's
-        # failed init must not break the trainer that is connected.
+        # Keep the live connection until this one is up: a stale trainer's init may fail.
         channel = BroadcastChannel.open(
             self.hw,
             init_info.master_address,
@@ -182,9 +165,8 @@ class AscendRLHCCLWeightTransferEngine(
             raise refusal
 
     def buckets(self, plan: list[Bucket]):
-        """Bucket i+1.. are in flight while bucket i is loaded. A bucket larger than the
-        agreed bucket size (a tensor sent alone) travels in pieces of that size, assembled in
-        host memory, so no receive buffer on the device is larger than a bucket."""
+        """Buckets i+1.. are in flight while bucket i loads. A larger bucket (one tensor) comes
+        in bucket-sized pieces assembled in host memory: no device buffer exceeds a bucket."""
         depth, piece = self.init_info.packed_num_buffers, self.init_info.packed_buffer_size_bytes
         in_flight: deque = deque()
         for bucket in plan:

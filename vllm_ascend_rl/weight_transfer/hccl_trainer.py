@@ -1,6 +1,5 @@
-"""HCCL weight transfer, trainer side: rank 0 drives start/update/finish over the client and
-broadcasts; other trainer ranks only iterate the source (its gathers are collectives). The
-engine side is :mod:`vllm_ascend_rl.weight_transfer.hccl`."""
+"""HCCL weight transfer, trainer side (engine side: ``hccl.py``): rank 0 drives the update and
+broadcasts; other ranks only iterate the source (its gathers are collectives)."""
 
 from __future__ import annotations
 
@@ -83,9 +82,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
     ) -> SyncResult:
-        """Push every weight of the source into the engine: start, update, finish. Returns
-        bytes, seconds and GB/s; ``weight_version`` tags subsequent outputs; ``progress``
-        shows a byte progress bar (default: 512 MiB or more, on a terminal)."""
+        """Push the source's weights into the engine; ``weight_version`` tags later outputs,
+        ``progress`` shows a byte bar (default: 512 MiB or more, on a terminal)."""
         return send_update(self, weight_version, progress)
 
     def shutdown(self) -> None:

@@ -1,28 +1,12 @@
-"""NPU-IPC weight transfer for trainers colocated with the engine on the same chips.
+"""NPU-IPC weight transfer for a trainer colocated on the engine's chips: engine side and infos
+(docs/weight-transfer.md#npu-ipc-colocated-trainer; trainer side: ``npu_ipc_trainer.py``).
 
-No weight crosses a wire. Every trainer rank owns a small ring of staging buffers on its own
-chip (``packed_num_buffers`` of them, each the size of a bucket), exported once as
-device IPC handles (on CPU hosts: POSIX shared memory, mode 0600, random names; each engine
-worker and trainer rank emulates a chip of its own). The sender ships ``{chip: handles}``, as
-vLLM's and vllm-ascend's IPC engines gather handles per device, and every engine worker maps
-the ring of its own chip once and caches it. Per bucket the trainer rank of a chip copies the
-tensors into a free buffer and rings a host-local doorbell; the engine loads the bucket and
-acknowledges, so the buffer is reused while the engine loads. Handles travel as explicit JSON
-fields of ``update_weights`` (never pickled: no ``VLLM_ALLOW_INSECURE_SERIALIZATION``).
-Shared-memory names are unlinked as soon as the engine has mapped them (after the first
-update) or when the trainer exits.
-
-This module holds the engine side and the init/update infos; the trainer side is
-:mod:`vllm_ascend_rl.weight_transfer.npu_ipc_trainer`.
-
-Trainer side (one rank per chip the engine uses; ``torch.distributed`` initialized across the
-ranks when there is more than one)::
-
-    vllm_ascend_rl.register()
-    engine = WeightTransferTrainerFactory.trainer_init(NPUIPCTrainerInitInfo(rank=rank),
-        client=HTTPVLLMWeightSyncClient(url), source=ModuleSource(model))
-    engine.send_weights(weight_version="step-7")   # on every rank
-"""
+Each trainer rank exports a ring of ``packed_num_buffers`` bucket-sized staging buffers on its
+chip once (CPU: POSIX shared memory); the sender ships ``{chip: handles}``, as vLLM's and
+vllm-ascend's IPC engines gather handles per device, and each worker maps its chip's ring once.
+Per bucket the trainer fills a free slot and rings a host-local doorbell; the worker loads and
+acknowledges. Handles are JSON fields of ``update_weights``, never pickled (no
+``VLLM_ALLOW_INSECURE_SERIALIZATION``)."""
 
 from __future__ import annotations
 
@@ -63,17 +47,15 @@ from vllm_ascend_rl.weight_transfer.wire import (
 
 logger = get_logger(__name__)
 
-# Staging copies stream best in cache-friendly pieces: with a 1 GB model on CPU, 16-32 MiB
-# buckets moved the data in 1.8-2.3x one memcpy, 256 MiB buckets in 2.8x (benchmarks/).
+# Staging copies stream best in cache-sized pieces (benchmarks/README.md).
 DEFAULT_BUCKET_BYTES = 32 << 20
 DEFAULT_NUM_BUFFERS = 4
 
 
 @wire_dataclass
 class NPUIPCTrainerInitInfo(TrainerInitInfo, WireParams):
-    """Trainer-side init info: ``rank`` (0 sends) and the wire parameters; every trainer rank
-    owns a ring on its own chip. ``zero_copy``: the engine loads straight from the ring
-    instead of copying each bucket out first (chosen here, never changed during a run)."""
+    """Trainer-side init info; ``rank`` 0 sends. ``zero_copy``: the engine loads straight from
+    the ring instead of copying each bucket out first (fixed at init)."""
 
     backend: ClassVar[str] = NPU_IPC_BACKEND
 
@@ -96,8 +78,7 @@ class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo, WireParams):
 class AscendRLNPUIPCWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """Metadata plus the staging buffers' handles per chip, as plain JSON."""
 
-    # {chip: [handle, ...]}: checked by the engine's _map, whose refusal reaches the trainer
-    # through the update handshake (the connection stays usable)
+    # {chip: [handle, ...]}, typed Any: _map refuses a bad one in the handshake (connection kept)
     buffers: Any = field(default_factory=dict)
     update_id: int = 0
 
@@ -193,8 +174,7 @@ class AscendRLNPUIPCWeightTransferEngine(
             raise refusal
 
     def _map(self, buffers: Any, plan: list[Bucket]) -> None:
-        """Map the ring of staging buffers on this worker's chip, reusing cached mappings
-        (imported once)."""
+        """Map this worker's chip's ring (each handle imported once); IpcHandleError if unfit."""
         if not isinstance(buffers, dict):
             raise IpcHandleError(f"malformed buffers field: {str(buffers)[:200]}")
         here = self.hw.location()
@@ -228,8 +208,8 @@ class AscendRLNPUIPCWeightTransferEngine(
         self._ring = ring
 
     def buckets(self, plan: list[Bucket]):
-        """Piece k of the update is in ring slot k % len(ring). A bucket larger than a slot
-        (one tensor) arrives in slot-sized pieces, assembled in host memory."""
+        """Piece k of the update is in slot k % len(ring); a bucket larger than a slot (one
+        tensor) arrives in slot-sized pieces, assembled in host memory."""
         doorbell, ring, piece = self.doorbell, self._ring, self.init_info.packed_buffer_size_bytes
         received = 0
         for bucket in plan:

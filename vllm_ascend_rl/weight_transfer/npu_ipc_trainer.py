@@ -1,11 +1,9 @@
-"""NPU-IPC weight transfer, trainer side: one staging ring per trainer rank, on its own chip.
+"""NPU-IPC weight transfer, trainer side (engine side: ``npu_ipc.py``).
 
-Every trainer rank (``torch.distributed``'s default group, as vLLM's IPC trainer assumes; a
-single rank needs none) exports a ring on its chip and listens on a doorbell of its own. The
-sender (rank 0) learns every rank's chip and doorbell once, at ``trainer_init``, and sends the
-engine ``{chip: doorbell}``; each engine worker connects to the rank on its own chip. The other
-ranks connect to the sender's doorbell too, and every update is coordinated over those links,
-never over a collective that a dead peer could hang:
+Each trainer rank exports a ring on its chip and listens on a doorbell. ``trainer_init`` gathers
+the ranks' chips and doorbells once (over ``torch.distributed``'s default group, as vLLM's IPC
+trainer does) and gives the engine ``{chip: doorbell}``. Workers connect to their chip's rank,
+ranks to the sender; updates go over those links, never a collective a dead peer could hang::
 
     sender -> ranks    update i           ranks -> sender   ring i (this rank's handles)
     sender -> engine   update_weights({chip: handles})
@@ -14,8 +12,7 @@ never over a collective that a dead peer could hang:
     each rank packs every bucket into its own ring and rings its own workers
     ranks -> sender    sent i
 
-A rank that fails tells the sender (and its workers) at once; so does the sender.
-"""
+A rank that fails tells the sender and its workers at once; so does the sender."""
 
 from __future__ import annotations
 
@@ -69,8 +66,7 @@ logger = get_logger(__name__)
 
 
 def gather_ranks(obj: Any) -> list[Any]:
-    """``obj`` of every trainer rank, over the default process group (just ``[obj]`` without
-    one). Used once, at ``trainer_init``, which every rank calls."""
+    """``obj`` of every trainer rank (a collective on the default group; ``[obj]`` without)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -87,8 +83,7 @@ def _release(ring: list[ExportedBuffer]) -> None:
 
 
 def welcome(doorbell: Doorbell, hello: dict, info, here: dict) -> bool:
-    """Answer an engine worker's hello: accepted only on the same protocol, wire parameters
-    and chip as this trainer rank."""
+    """Answer a worker's hello; True (welcome) only if protocol, wire and chip match ours."""
     error = None
     if hello.get("wire") != wire_signature(info, None):
         error = f"trainer and engine disagree on protocol or wire parameters: {hello}"
@@ -141,9 +136,8 @@ class Acceptor:
 
 
 class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
-    """Trainer side (:class:`~.trainer_side.Transport`): every rank owns a ring on its chip and
-    the doorbells of its chip's workers; rank 0 also drives the update over HTTP and
-    coordinates the other ranks."""
+    """Trainer side (:class:`~.trainer_side.Transport`): each rank owns its chip's ring and
+    workers' doorbells; rank 0 also drives the update and coordinates the other ranks."""
 
     init_info_cls = NPUIPCTrainerInitInfo
     alone_bytes = None  # a tensor larger than a bucket goes through the ring in pieces
@@ -164,8 +158,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         self.ring: list[ExportedBuffer] = []
         self.chip = self.hw.location()["chip"]
         self.update_id = 0
-        # Unlink and unmap the staging buffers when this engine goes away or the trainer
-        # exits, whichever comes first.
+        # Unlink and unmap the ring when this engine is collected or the trainer exits.
         self._finalizer = weakref.finalize(self, _release, self.ring)
 
     @classmethod
@@ -185,8 +178,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def send_weights(
         self, weight_version: str | None = None, progress: bool | None = None
     ) -> SyncResult:
-        """Push every weight of the source into the engine (on every rank): start, update,
-        finish. Returns bytes, seconds and GB/s; ``weight_version`` tags subsequent outputs."""
+        """Push the source into the engine (on every rank); ``weight_version`` tags outputs."""
         return send_update(self, weight_version, progress)
 
     # -- connection -------------------------------------------------------------------
@@ -346,8 +338,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         return int(msg["update"])
 
     def _watch(self, sender: Doorbell) -> Poll:
-        """Poll hook: the sender may cancel the update while this rank waits for its workers
-        (its start_weight_update failed, so no worker will ever answer)."""
+        """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""
 
         def poll() -> None:
             msg = sender.pending("watching the sender")
@@ -386,9 +377,8 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                 d.send(go=self.update_id, verdict=int(verdict), reason=reason)
 
     def _stream(self, plan: list[Bucket], pairs, poll: Poll, bar: Progress) -> None:
-        """Copy every bucket into the next slot of this rank's ring and ring this rank's
-        workers; a bucket larger than a slot (one tensor) goes in slot-sized pieces. A slot is
-        refilled only once every worker has acknowledged its previous piece."""
+        """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
+        rank's workers; a slot is refilled only once every worker acknowledged it."""
         ring, piece = self.ring, self.init_info.packed_buffer_size_bytes
         unacknowledged: deque[tuple[int, int]] = deque()  # (bucket index, bytes), oldest first
         sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it

@@ -1,26 +1,19 @@
-"""One engine worker's weight updates, as an explicit state machine.
+"""One engine worker's weight update as a state machine (docs/failure-semantics.md).
 
-vLLM drives an update with ``start_weight_update``, one or more ``update_weights`` and
-``finish_weight_update``; the model's forward pass may run between those calls. Every one of
-them is an :class:`Event` here, and :data:`TRANSITIONS` says where each leads::
+Each of vLLM's calls is an :class:`Event` (the forward pass may run between them), and
+:data:`TRANSITIONS` says where each leads::
 
     IDLE --start--> OPEN --receive--> RECEIVING --loaded--> RECEIVED --finish--> IDLE
                      |                    |                   |  '--receive--> RECEIVING
                      |--finish--> IDLE    '--fail--> IDLE     '--cancel--> CANCELLED
                      '--cancel--> CANCELLED --finish/fail--> IDLE
 
-- ``fail`` (a refusal, a broken transfer, a malformed call) ends the update at once: vLLM's
-  worker closes its session when ``update_weights`` raises.
-- ``cancel`` (a forward pass during the update, a new init, shutdown) ends it too, but the
-  worker still counts it as open, so ``finish`` (or a failing ``update_weights``) follows.
-- Ending an update any other way than ``finish`` from ``RECEIVED`` puts the old weights back
-  (``on_failure="restore"``), or, with ``"hold"`` and layers that already took new weights,
-  leaves the model *not whole*: generation is refused (:meth:`UpdateSession.not_whole`, asked
-  by the plugin scheduler at every resume) until an update completes.
-
-The session owns everything an open update holds: vLLM's layerwise reload and the backup of the
-old weights, the receive pool and the forward guard.
-"""
+- ``fail`` ends the update at once: vLLM's worker closes its session when ``update_weights`` raises.
+- ``cancel`` (forward pass, new init, shutdown) ends it too, but the worker still counts it as
+  open, so ``finish`` (or a failing ``update_weights``) follows.
+- Any end but ``finish`` from ``RECEIVED`` restores the old weights (``restore``) or, under
+  ``hold`` once layers took new weights, leaves the model *not whole*: the plugin scheduler
+  refuses every resume (:meth:`UpdateSession.not_whole`) until an update completes."""
 
 from __future__ import annotations
 
@@ -81,7 +74,8 @@ class IllegalTransition(RuntimeError):
 
 
 class UpdateSession:
-    """The update state of one engine worker; every public method is one event."""
+    """One worker's update state and what an open update holds (reload and old weights'
+    backup, receive pool, forward guard); each public method is an event."""
 
     def __init__(self, model: torch.nn.Module, model_config, hw: Device, workers_on_host: int):
         self.model, self.model_config, self.hw = model, model_config, hw
@@ -94,8 +88,7 @@ class UpdateSession:
         self.cancelled: str | None = None  # why the open update was cancelled
         self.mixed: str | None = None  # hold: why the weights are not whole
         self._guard = None
-        # Until then a failed collective may still be queued on the device, and a device-wide
-        # sync such as empty_cache would wait behind it (see HCCL's disconnect).
+        # Until then a failed collective may be queued: no device-wide sync (hccl.disconnect).
         self.device_busy_until = 0.0
 
     def configure(self, on_failure: str, pool_bytes: int) -> None:
@@ -105,7 +98,7 @@ class UpdateSession:
         self.pool.max_bytes = pool_bytes
 
     def _go(self, event: Event) -> State:
-        """Move on ``event``; IllegalTransition (nothing changed) if the state forbids it."""
+        """Move on ``event``; the state before. IllegalTransition (nothing changed) if forbidden."""
         after = TRANSITIONS.get((self.state, event))
         if after is None:
             raise IllegalTransition(self._illegal(event))
@@ -141,8 +134,7 @@ class UpdateSession:
         self.version = version
 
     def load(self, bucket: Bucket, buf: torch.Tensor) -> None:
-        """Load one received bucket through layerwise reload (its views may stay referenced
-        until their layer is complete)."""
+        """Load one bucket; layerwise reload may keep views of ``buf`` until a layer completes."""
         from vllm.model_executor.model_loader.mtp_validation import (
             disable_mtp_completeness_check,
         )
@@ -167,7 +159,7 @@ class UpdateSession:
             self._end(completed=True)
 
     def fail(self) -> str:
-        """A failure ends the update; returns what the model holds now (for messages)."""
+        """A failure ends the update; returns what the model holds now, for messages."""
         before = self._go(Event.FAIL)
         if before in (State.IDLE, State.CANCELLED):
             return self.cancelled if before is State.CANCELLED else self._whole()
@@ -210,9 +202,8 @@ class UpdateSession:
         return "model unchanged"
 
     def _end(self, completed: bool) -> None:
-        """An update ended: give the receive pool back (and, after a completed update with no
-        collective possibly queued, the device's cached blocks), drop the guard unless the
-        weights are not whole."""
+        """Give the receive pool back (to the device too after a completed update, unless a
+        collective may be queued); drop the guard unless the weights are not whole."""
         self.version = None
         self._set_guard()
         allocated, peak = self.pool.end_update()
@@ -235,8 +226,8 @@ class UpdateSession:
             self._guard = None
 
     def _forward(self, module, args) -> None:
-        """A forward pass while an update is open cancels it first (no token comes from
-        half-loaded layers); on weights that are not whole it is refused."""
+        """Forward pre-hook: cancel an open update (no token from half-loaded layers); refuse
+        to run on weights that are not whole."""
         if self.state in (State.OPEN, State.RECEIVED):
             self.cancel(
                 "generation ran while it was open: pause generation (/pause) before "

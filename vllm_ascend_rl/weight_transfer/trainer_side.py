@@ -1,13 +1,7 @@
-"""Trainer-side functions both transports use: one update, from ``send_weights`` to
-``finish_weight_update``.
-
-A trainer engine (``hccl_trainer.py``, ``npu_ipc_trainer.py``) implements vLLM's
-``TrainerWeightTransferEngine`` itself; its ``send_weights`` is :func:`send_update` over the
-transport's own steps (:class:`Transport`). The control plane is vLLM's
-``VLLMWeightSyncClient`` (usually ``HTTPVLLMWeightSyncClient``). Calls that block while the data
-plane runs go to daemon threads (a stuck HTTP call must never keep the trainer process alive),
-and HTTP errors are re-raised with the server's own message, which ``raise_for_status`` drops.
-"""
+"""Trainer side both transports share: each trainer engine's ``send_weights`` is
+:func:`send_update` (start, update, finish over vLLM's ``VLLMWeightSyncClient``) driving its
+:class:`Transport`. Blocking client calls run in daemon threads (a stuck HTTP call must not keep
+the trainer alive); HTTP errors keep the server's message, which ``raise_for_status`` drops."""
 
 from __future__ import annotations
 
@@ -40,7 +34,7 @@ TRANSPORT_ERRORS = (ChannelError, DoorbellError, WeightSyncError)
 
 @dataclass(frozen=True)
 class SyncResult:
-    """What one ``send_weights()`` moved: bytes, wall seconds, and throughput."""
+    """What one ``send_weights()`` moved, and how fast."""
 
     bytes: int
     seconds: float  # start_weight_update .. finish_weight_update returned
@@ -64,8 +58,7 @@ NOT_PAUSED = (
 
 
 def engine_paused(client: Any) -> bool | None:
-    """Whether the engine behind ``client`` is paused: asked over HTTP (``/is_paused``) for
-    an HTTP client, through ``client.is_paused()`` where it has one; None if it cannot tell."""
+    """Whether the engine is paused (``client.is_paused()``, else ``/is_paused``), or None."""
     ask = getattr(client, "is_paused", None)
     if callable(ask):
         return ask()
@@ -127,7 +120,6 @@ class BackgroundCall:
         return self._done.is_set()
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the call to end; True if it has."""
         return self._done.wait(timeout_s)
 
     def raise_if_failed(self) -> None:
@@ -150,7 +142,7 @@ class BackgroundCall:
 
 
 def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> None:
-    """With an HTTP client, compare ``world_size`` with the server's before any rendezvous."""
+    """Refuse, before any rendezvous, a ``world_size`` other than the HTTP server's workers + 1."""
     base_url = getattr(client, "base_url", None)
     if not base_url:
         return
@@ -235,14 +227,12 @@ def source_specs(source: WeightSource) -> list[TensorSpec]:
 
 
 def engine_name(client: Any) -> str:
-    """The engine a client reaches, for messages."""
     url = getattr(client, "base_url", None)
     return f"the engine at {url}" if url else f"the engine behind {type(client).__name__}"
 
 
 def send_update(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
-    """Push every weight of ``t.source`` into the engine: start, update, finish. A failure
-    raises WeightSyncError naming the engine."""
+    """Push ``t.source`` into the engine (start, update, finish); raises WeightSyncError."""
     try:
         return _send(t, weight_version, progress)
     except WeightSyncError as e:
@@ -319,9 +309,8 @@ def require_paused(client: Any) -> None:
 
 
 def start_update(client: Any) -> None:
-    """``start_weight_update``. If it fails because an update a dead trainer left open is still
-    counted as open by vLLM's worker, ending that one (our engines' finish restores the old
-    weights unless every weight of it arrived) succeeds, and the start is retried once."""
+    """``start_weight_update``; if vLLM's worker still holds an update a dead trainer left
+    open, end it (our finish restores the old weights unless all of it arrived), retry once."""
     try:
         call("start_weight_update", client.start_weight_update)
     except WeightSyncError as refused:

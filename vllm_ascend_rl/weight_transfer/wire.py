@@ -1,12 +1,6 @@
-"""The wire: what a trainer and an engine agree on, defined once for both transports.
-
-- :class:`WireParams`: the parameters the trainer chooses at init, embedded in every init info
-  (trainer side and engine side), type-checked on construction and signed whole by both sides.
-- :class:`CheckpointUpdateInfo`: one update's metadata, type-checked on construction.
-- :class:`Verdict`: what each side answers in an update's handshake, as a code.
-- The bucket plan both sides derive from the agreed parameters, and its signature, which the
-  update handshake compares before any byte moves.
-"""
+"""What trainer and engine agree on, type-checked on construction: the wire parameters (signed
+at init), one update's metadata, the handshake's :class:`Verdict`, and the bucket plan (signed
+at every update; docs/failure-semantics.md#agreement-before-any-byte-moves)."""
 
 from __future__ import annotations
 
@@ -29,9 +23,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
 )
 from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
-# 6: the wire parameters are signed whole (timeout_s included), the update handshake signs the
-# bucket plan and answers with a Verdict code
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 6  # bump when what travels, or what is signed, changes
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_TIMEOUT_S = 24 * 3600.0
 
@@ -48,16 +40,9 @@ NumBuffers = Annotated[int, Field(ge=1, le=64)]
 
 @wire_dataclass
 class WireParams:
-    """The trainer's choices that both sides must share, embedded in every init info.
-
-    - ``packed``: tensors share buckets (one collective or staging copy per bucket);
-    - ``packed_buffer_size_bytes``, ``packed_num_buffers``: bucket size and buckets in flight;
-    - ``timeout_s``: bounds every rendezvous, collective and doorbell wait;
-    - ``on_failure``: ``"restore"`` keeps a host copy of the old weights for the update's
-      duration and puts it back on failure; ``"hold"`` keeps none, and a failed update leaves
-      generation refused until a complete update (docs/failure-semantics.md);
-    - ``validation``: ``"partial"`` lets an update omit whole layers, ``"complete"`` does not.
-    """
+    """The trainer's choices both sides share, in every init info (the fields:
+    docs/failure-semantics.md#parameters). ``packed_num_buffers`` is the buckets in flight;
+    ``timeout_s`` bounds every rendezvous, collective and doorbell wait."""
 
     packed: bool = True
     packed_buffer_size_bytes: BucketBytes = 256 << 20
@@ -71,8 +56,7 @@ WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
 
 
 def parse_wire(cls: type, body: Any) -> Any:
-    """``cls(**body)``, vLLM's way of building an init or update info, with one line per
-    problem (``field[index]: what is wrong``) instead of pydantic's report."""
+    """``cls(**body)``, as vLLM builds infos; ValueError lists each ``field[index]: problem``."""
     if not isinstance(body, dict):
         raise ValueError(f"{cls.__name__}: expected an object, got {type(body).__name__}")
     try:
@@ -97,8 +81,7 @@ def signature(*parts: object) -> int:
 
 
 def wire_signature(info: WireParams, alone_bytes: int | None) -> int:
-    """What both sides sign at init: the protocol, every wire parameter and the constants
-    that shape the bucket plan."""
+    """What both sides sign at init: protocol, wire parameters, constants shaping the plan."""
     return signature(PROTOCOL_VERSION, ALIGN_BYTES, alone_bytes, *wire_params(info).values())
 
 
@@ -134,11 +117,7 @@ class Verdict(IntEnum):
 
 @wire_dataclass
 class CheckpointUpdateInfo(WeightTransferUpdateInfo):
-    """One update's metadata, in the order the trainer sends the tensors.
-
-    ``weight_version``: the version being loaded, so that a failed update can say which one is
-    partly loaded.
-    """
+    """One update's metadata, in send order; ``weight_version`` names it in failure messages."""
 
     names: list[str]
     dtype_names: list[str]
