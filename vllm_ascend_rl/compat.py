@@ -1,26 +1,20 @@
-"""Where the vLLM releases we support differ.
+"""How vLLM 0.27.1 (vllm-ascend ``main``'s pin) to 0.32.0 differ, by feature, never by version
+(probes: ``tests/support/vllm_features.py``; internals we rely on: docs/upstream-internals.md):
 
-Version differences (0.27.1, what vllm-ascend ``main`` pins, through 0.32.0), detected by
-feature, never by version string; the tests' probes are in ``tests/support/vllm_features.py``:
-
-- ``WeightTransferEngine.trainer_send_weights``: abstract in 0.27.1, gone in 0.32;
-  :class:`EngineCompat` supplies it where it is still abstract.
+- ``WeightTransferEngine.trainer_send_weights``: abstract in 0.27.1, gone in 0.32
+  (:class:`EngineCompat`).
 - ``SleepModeBackend.discard``, ``/release_kv_cache_memory``, ``/shutdown_weight_transfer_engine``,
   ``/weight_checker``: 0.32 only; our backend and workers define ``discard`` either way.
-- ``/weight_checker``'s worker methods: 0.32's GPU ``Worker`` has them, vllm-ascend's
-  ``NPUWorker`` does not; :func:`weight_checker_methods` lends it vLLM's own.
-- ``stateless_init_torch_distributed_process_group(timeout=)``: not in 0.27.1; unused, as
-  :mod:`vllm_ascend_rl.device.group` builds the group itself.
+- ``/weight_checker``'s worker methods: in 0.32's GPU ``Worker``, not in vllm-ascend's
+  ``NPUWorker`` (:func:`weight_checker_methods`).
+- ``stateless_init_torch_distributed_process_group(timeout=)``: not in 0.27.1; unused
+  (``device/group.py`` builds its own group).
 - ``/inference/v1/generate``: always on in 0.27.1, behind ``--enable-scale-out`` in 0.32; its
-  ``weight_versions`` spans: 0.32 only. ``/sleep?level=``: 0.32 refuses levels outside 0..2,
-  0.27.1 passes any on (our workers refuse them).
-- The worker's sleep-backend accessor (``_get_sleep_mode_backend()`` in 0.27.1, a
-  ``sleep_mode_backend`` property in 0.32): unused; both workers build ours through
-  ``SleepModeBackendFactory.create_backend`` (``attach_sleep_backend``).
-
-Every upstream internal we depend on is listed in ``docs/upstream-internals.md``, each guarded
-on both vLLM legs by ``tests/unit/test_upstream_internals.py``.
-"""
+  ``weight_versions`` spans: 0.32 only.
+- ``/sleep?level=``: 0.32 refuses levels outside 0..2; 0.27.1 passes any on (our workers refuse).
+- Worker's sleep-backend accessor (0.27.1 ``_get_sleep_mode_backend()``, 0.32 property
+  ``sleep_mode_backend``): unused; both workers build ours with
+  ``SleepModeBackendFactory.create_backend``."""
 
 from __future__ import annotations
 
@@ -48,11 +42,8 @@ WEIGHT_CHECKER_METHODS = ("compute_weight_checksums", "_weight_checksum_prefix",
 
 
 def weight_checker_methods(base: type) -> dict[str, Any]:
-    """vLLM's worker methods behind ``/weight_checker`` that ``base`` lacks (none before 0.32).
-
-    They only read the parallel ranks and ``model_runner.get_model()``, which every worker
-    has, so they are borrowed from vLLM's GPU ``Worker`` rather than rewritten.
-    """
+    """vLLM's ``/weight_checker`` worker methods that ``base`` lacks (none before 0.32), lent
+    from the GPU ``Worker``: they only read the parallel ranks and ``model_runner.get_model()``."""
     from vllm.v1.worker.gpu_worker import Worker
 
     return {

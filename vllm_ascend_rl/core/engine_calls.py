@@ -1,16 +1,9 @@
-"""The one place that reads the call stack: which of vLLM's engine-core calls is changing the
-scheduler's pause state.
-
-vLLM's engine core restarts scheduling the same way for ``/resume`` and for ``/wake_up``: both
-end in ``scheduler.set_pause_state(UNPAUSED)`` (``EngineCore.resume_scheduler``, which
-``wake_up`` calls), and the scheduler is never told about sleep. So the plugin scheduler looks
-up the stack for the engine-core method that called it: ``sleep``, ``wake_up``,
-``release_kv_cache_memory`` and ``resume_scheduler`` are utility calls the engine-core client
-invokes by name (``core_client.py``), the same in vLLM 0.27.1 and 0.32. The engine core found
-there also lets a resume ask the workers whether their weights are whole.
-``tests/unit/test_engine_calls.py`` runs vLLM's own ``EngineCore`` methods through this on both
-vLLM releases, so a change of vLLM's call chain fails there, loudly.
-"""
+"""Which engine-core call is changing the scheduler's pause state; the only code that reads the
+call stack. ``/resume`` and ``/wake_up`` both end in ``scheduler.set_pause_state(UNPAUSED)``
+(``EngineCore.resume_scheduler``, which ``wake_up`` calls) and the scheduler is never told about
+sleep, so it looks up the stack for the utility method the engine-core client invoked by name
+(``core_client.py``, the same in vLLM 0.27.1 and 0.32). ``tests/unit/test_engine_calls.py``
+runs vLLM's own ``EngineCore`` through this on both releases."""
 
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ class EngineCoreCall:
 
     name: str | None = None  # one of ENGINE_CORE_CALLS, or None (a step, /pause, a test)
     args: dict[str, Any] = field(default_factory=dict)  # that call's local variables
-    engine_core: Any = None
+    engine_core: Any = None  # lets a resume ask the workers whether their weights are whole
 
 
 def engine_core_call(scheduler: Any) -> EngineCoreCall:
