@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -117,7 +118,7 @@ def send_transport_only(engine, receive) -> float:
     engines that receive without loading; trainer-side seconds of the data plane.
     ``receive(payload)`` makes every engine worker run ``bench_receive_discard(payload)``
     (in the background while this rank sends)."""
-    from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, Progress, source_specs
+    from vllm_ascend_rl.weight_transfer.trainer_side import BackgroundCall, source_specs
     from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
 
     specs = source_specs(engine.source)
@@ -125,9 +126,9 @@ def send_transport_only(engine, receive) -> float:
     receiving = BackgroundCall("receive_transport_only", receive, engine.payload(specs, plan))
     if engine.agree(plan, receiving) != Verdict.GO:
         raise RuntimeError(f"transport probe refused: {receiving.failure(30)}")
-    bar = Progress(0, False, "")
-    engine.send(plan, iter(engine.source), receiving, bar)
-    seconds = bar.close()
+    t0 = time.perf_counter()
+    engine.send(plan, iter(engine.source), receiving)
+    seconds = time.perf_counter() - t0
     receiving.result(engine.init_info.timeout_s)
     return seconds
 

@@ -84,14 +84,13 @@ def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound
         packed_num_buffers=BUFFERS,
     )
     poll = types.SimpleNamespace(raise_if_failed=lambda: None)
-    bar = types.SimpleNamespace(update=lambda n: None)
 
     def body(ch):
         if ch.rank == 0:
             trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
             trainer.channel, trainer.init_info = ch, info
             trainer.hw, trainer._staging = get_device("cpu"), []
-            trainer.send(plan_for(info, specs, DIRECT_BYTES), iter(tensors.items()), poll, bar)
+            trainer.send(plan_for(info, specs, DIRECT_BYTES), iter(tensors.items()), poll)
             return None
         engine = _engine(AscendRLHCCLWeightTransferEngine, info)
         engine.channel = ch
@@ -137,8 +136,7 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
 
         def send() -> None:
             try:
-                bar = types.SimpleNamespace(update=lambda n: None)
-                trainer._stream(plan, iter(tensors.items()), lambda: None, bar)
+                trainer._stream(plan, iter(tensors.items()), lambda: None)
             except BaseException as e:
                 errors.append(e)
 

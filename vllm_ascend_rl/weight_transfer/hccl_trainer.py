@@ -33,7 +33,6 @@ from vllm_ascend_rl.weight_transfer.hccl import (
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
-    Progress,
     SyncResult,
     WeightSyncError,
     check_world_size,
@@ -79,12 +78,9 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             engine.channel = engine._connect()
         return engine
 
-    def send_weights(
-        self, weight_version: str | None = None, progress: bool | None = None
-    ) -> SyncResult:
-        """Push the source's weights into the engine; ``weight_version`` tags later outputs,
-        ``progress`` shows a byte bar (default: 512 MiB or more, on a terminal)."""
-        return send_update(self, weight_version, progress)
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:
+        """Push the source's weights into the engine; ``weight_version`` tags later outputs."""
+        return send_update(self, weight_version)
 
     def shutdown(self) -> None:
         if self.channel is not None:
@@ -152,17 +148,17 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             return Verdict(lowest)
         return Verdict.GO if same else Verdict.REFUSED
 
-    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
         piece = self.init_info.packed_buffer_size_bytes
         staging = self._staging_buffers(plan, depth)
-        in_flight: deque = deque()  # (bucket, work, the bytes it sends, staging slot or None)
+        # (bucket, work, the bytes it sends: alive until it is done, staging slot or None)
+        in_flight: deque = deque()
         poll = update.raise_if_failed
 
         def oldest_done() -> None:
-            bucket, work, sent, _ = in_flight.popleft()
+            bucket, work, _, _ = in_flight.popleft()
             channel.wait(work, f"sending bucket {bucket.index}", poll)
-            bar.update(sent.numel())
 
         for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
             slot = None if bucket.oversized else i % depth

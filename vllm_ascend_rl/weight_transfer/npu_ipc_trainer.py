@@ -50,7 +50,6 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
-    Progress,
     SyncResult,
     WeightSyncError,
     send_update,
@@ -175,11 +174,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         engine._connect()  # every rank: its ring's doorbell, and the sender's link
         return engine
 
-    def send_weights(
-        self, weight_version: str | None = None, progress: bool | None = None
-    ) -> SyncResult:
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:
         """Push the source into the engine (on every rank); ``weight_version`` tags outputs."""
-        return send_update(self, weight_version, progress)
+        return send_update(self, weight_version)
 
     # -- connection -------------------------------------------------------------------
     def _connect(self) -> None:
@@ -286,9 +283,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         self._go(replies, verdict, reason)
         return verdict
 
-    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         poll = update.raise_if_failed
-        self._stream(plan, pairs, poll, bar)
+        self._stream(plan, pairs, poll)
         for peer in self.peers:
             peer.expect("sent", self.update_id, "waiting for the other trainer ranks", poll)
 
@@ -323,7 +320,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             self._go(replies, Verdict(go["verdict"]), go.get("reason"))
             if go["verdict"] != Verdict.GO:
                 return
-            self._stream(plan, iter(self.source), watch, Progress(0, False, ""))
+            self._stream(plan, iter(self.source), watch)
             sender.send(sent=self.update_id)
         except _Cancelled:
             return
@@ -376,18 +373,17 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             if r.get("verdict") == Verdict.GO:  # a worker that refused waits for no verdict
                 d.send(go=self.update_id, verdict=int(verdict), reason=reason)
 
-    def _stream(self, plan: list[Bucket], pairs, poll: Poll, bar: Progress) -> None:
+    def _stream(self, plan: list[Bucket], pairs, poll: Poll) -> None:
         """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
         rank's workers; a slot is refilled only once every worker acknowledged it."""
         ring, piece = self.ring, self.init_info.packed_buffer_size_bytes
-        unacknowledged: deque[tuple[int, int]] = deque()  # (bucket index, bytes), oldest first
+        unacknowledged: deque[int] = deque()  # bucket index of each piece, oldest first
         sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it
 
         def acknowledged() -> None:
-            index, nbytes = unacknowledged.popleft()
+            index = unacknowledged.popleft()
             for d in self.doorbells:
                 d.expect("done", index, f"bucket {index} acknowledgement", poll)
-            bar.update(nbytes)
 
         for bucket, tensors in iter_bucket_tensors(plan, pairs):
             whole = as_bytes(tensors[0]) if bucket.nbytes > piece else None
@@ -403,7 +399,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                 self.hw.synchronize()  # the engine reads it from another process
                 for d in self.doorbells:
                     d.send(bucket=bucket.index)
-                unacknowledged.append((bucket.index, n))
+                unacknowledged.append(bucket.index)
         while unacknowledged:
             acknowledged()
 

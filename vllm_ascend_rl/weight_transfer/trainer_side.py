@@ -5,7 +5,6 @@ the trainer alive); HTTP errors keep the server's message, which ``raise_for_sta
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +40,6 @@ class SyncResult:
     num_tensors: int
     num_buckets: int
     weight_version: str | None = None
-    transfer_seconds: float = 0.0  # data plane only: first byte sent .. last byte landed
 
     @property
     def gbps(self) -> float:
@@ -164,30 +162,6 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
         )
 
 
-class Progress:
-    """A byte progress bar for long transfers; silent when stderr is not a terminal."""
-
-    def __init__(self, total: int, enabled: bool | None, desc: str) -> None:
-        show = enabled if enabled is not None else (total >= 512 << 20 and sys.stderr.isatty())
-        self.bar = None
-        if show:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc)
-        self.start = time.perf_counter()
-
-    def update(self, nbytes: int) -> None:
-        if self.bar is not None:
-            self.bar.update(nbytes)
-
-    def close(self) -> float:
-        """Close the bar (idempotent); seconds since it was created."""
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        return time.perf_counter() - self.start
-
-
 class Transport(Protocol):
     """One trainer engine's transport, as :func:`send_update` drives it."""
 
@@ -206,7 +180,7 @@ class Transport(Protocol):
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
         """The lowest verdict of every engine worker (the update call runs in ``update``)."""
 
-    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall, bar: Progress):
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         """Send ``pairs`` (``(name, tensor)`` in plan order) bucket by bucket."""
 
     def abort(self) -> None:
@@ -231,15 +205,15 @@ def engine_name(client: Any) -> str:
     return f"the engine at {url}" if url else f"the engine behind {type(client).__name__}"
 
 
-def send_update(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
+def send_update(t: Transport, weight_version: str | None) -> SyncResult:
     """Push ``t.source`` into the engine (start, update, finish); raises WeightSyncError."""
     try:
-        return _send(t, weight_version, progress)
+        return _send(t, weight_version)
     except WeightSyncError as e:
         raise WeightSyncError(f"weight sync to {engine_name(t.client)}: {e}") from e
 
 
-def _send(t: Transport, weight_version: str | None, progress: bool | None) -> SyncResult:
+def _send(t: Transport, weight_version: str | None) -> SyncResult:
     specs = source_specs(t.source)
     plan = plan_for(t.init_info, specs, t.alone_bytes)
     if not t.is_sender:
@@ -258,10 +232,8 @@ def _send(t: Transport, weight_version: str | None, progress: bool | None) -> Sy
     if weight_version is not None:
         payload["weight_version"] = weight_version
     update = _open_update(t, plan, payload)
-    bar = Progress(nbytes, progress, "weights -> engine")
     try:
-        t.send(plan, iter(t.source), update, bar)
-        transfer_s = bar.close()
+        t.send(plan, iter(t.source), update)
         update.result(timeout_s)
     except BaseException as e:
         t.abort()  # the engine notices at once instead of after its timeout
@@ -269,13 +241,9 @@ def _send(t: Transport, weight_version: str | None, progress: bool | None) -> Sy
             raise
         reason = update.failure(min(timeout_s, 30.0))
         raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
-    finally:
-        bar.close()
     call("finish_weight_update", t.client.finish_weight_update, weight_version)
     t.succeeded()
-    return SyncResult(
-        nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version, transfer_s
-    )
+    return SyncResult(nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version)
 
 
 def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundCall:
