@@ -146,11 +146,11 @@ def load_buckets(
 
 # -- vLLM's engine methods, the same on both transports --------------------------------------
 def parse_init_info(engine: Any, init_dict: Any) -> Any:
-    return parse_wire(engine.init_info_cls, init_dict)
+    return parse_wire(engine.init_info_cls, init_dict, "init_info")
 
 
 def parse_update_info(engine: Any, update_dict: Any) -> Any:
-    return parse_wire(engine.update_info_cls, update_dict)
+    return parse_wire(engine.update_info_cls, update_dict, "update_info")
 
 
 def start_weight_update(engine: Any) -> None:

@@ -55,10 +55,11 @@ class WireParams:
 WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
 
 
-def parse_wire(cls: type, body: Any) -> Any:
-    """``cls(**body)``, as vLLM builds infos; ValueError lists each ``field[index]: problem``."""
+def parse_wire(cls: type, body: Any, what: str) -> Any:
+    """``cls(**body)``, as vLLM builds the ``what`` body (``init_info``, ``update_info``);
+    ValueError lists each ``field[index]: problem``."""
     if not isinstance(body, dict):
-        raise ValueError(f"{cls.__name__}: expected an object, got {type(body).__name__}")
+        raise ValueError(f"{what} must be an object of {cls.__name__} fields, got {body!r:.80}")
     try:
         return cls(**body)
     except ValidationError as e:
