@@ -49,8 +49,9 @@ def _engine(cls, info):
     config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
     engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
     engine.init_info = info
-    buckets = (info.packed_num_buffers + 2) * info.packed_buffer_size_bytes
-    engine.session.configure(info.on_failure, buckets)
+    engine.session.reconnect(
+        info.on_failure, info.packed_num_buffers, info.packed_buffer_size_bytes
+    )
     return engine
 
 

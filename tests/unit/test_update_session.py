@@ -39,7 +39,7 @@ class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module d
 
 def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSession:
     s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), workers_on_host=1)
-    s.configure("hold" if hold else "restore", pool_bytes=1 << 20)
+    s.reconnect("hold" if hold else "restore", buffers=2, bucket_bytes=1 << 18)
     s.reload = RecordingReload(kept, restored)
     return s
 

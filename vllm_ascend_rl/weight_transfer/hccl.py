@@ -130,13 +130,11 @@ class AscendRLHCCLWeightTransferEngine(
                 "trainer and engine disagree on the weight-transfer protocol or wire "
                 f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
             )
-        self.session.cancel("init_weight_transfer_engine was called during it")
+        self.session.reconnect(
+            init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
+        )
         self.disconnect()
         self.channel, self.init_info = channel, init_info
-        self.session.configure(
-            init_info.on_failure,
-            (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
-        )
         logger.info(
             "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
             rank,

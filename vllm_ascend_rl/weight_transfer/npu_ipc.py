@@ -135,13 +135,11 @@ class AscendRLNPUIPCWeightTransferEngine(
             doorbell.close()
             raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         # Only now: a failed init leaves the live connection alone.
-        self.session.cancel("init_weight_transfer_engine was called during it")
+        self.session.reconnect(
+            init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
+        )
         self.disconnect()
         self.doorbell, self.init_info = doorbell, init_info
-        self.session.configure(
-            init_info.on_failure,
-            (init_info.packed_num_buffers + 2) * init_info.packed_buffer_size_bytes,
-        )
         logger.info(
             "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d, zero_copy=%s",
             rank,

@@ -91,11 +91,13 @@ class UpdateSession:
         # Until then a failed collective may be queued: no device-wide sync (hccl.disconnect).
         self.device_busy_until = 0.0
 
-    def configure(self, on_failure: str, pool_bytes: int) -> None:
-        """Apply a new init's parameters (no update is open: init cancels it first)."""
+    def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int) -> None:
+        """A new trainer connection: cancel any open update, apply the init's parameters (the
+        receive pool holds at most ``buffers + 2`` buckets)."""
+        self.cancel("init_weight_transfer_engine was called during it")
         self.hold = on_failure == "hold"
         self.pool.release()
-        self.pool.max_bytes = pool_bytes
+        self.pool.max_bytes = (buffers + 2) * bucket_bytes
 
     def _go(self, event: Event) -> State:
         """Move on ``event``; the state before. IllegalTransition (nothing changed) if forbidden."""
