@@ -163,8 +163,8 @@ class UpdateSession:
     def fail(self) -> str:
         """A failure ends the update; returns what the model holds now, for messages."""
         before = self._go(Event.FAIL)
-        if before in (State.IDLE, State.CANCELLED):
-            return self.cancelled if before is State.CANCELLED else self._whole()
+        if before in (State.IDLE, State.CANCELLED):  # nothing open: the failure says why
+            return self._whole()
         return self._abort()
 
     def cancel(self, why: str) -> None:
