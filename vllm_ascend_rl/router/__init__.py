@@ -179,6 +179,14 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 raise RouterError(502, f"engine {url} ended the stream without finishing it")
             if completion.absorb(piece):
                 engines.resends += 1
+                # vLLM merges delta outputs a slow reader has not taken yet, so the bounce's
+                # chunk may carry the last tokens: pass them on without its finish.
+                if held is not None and any(
+                    c.get("token_ids") or c.get("text") for c in held["choices"]
+                ):
+                    for choice in held["choices"]:
+                        choice["finish_reason"] = choice["stop_reason"] = None
+                    yield f"data: {json.dumps(held)}\n\n".encode()
                 continue
             if held is not None:
                 yield f"data: {json.dumps(held)}\n\n".encode()
