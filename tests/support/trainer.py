@@ -3,9 +3,9 @@
 It holds a Hugging Face model (the "policy"), loads new checkpoints into it (the "training
 step"), and pushes its weights into a vLLM server through the public trainer API:
 ``vllm_ascend_rl.register()``, ``WeightTransferTrainerFactory.trainer_init(...)``,
-``engine.send_weights()``. Commands are JSON lines on stdin; replies are JSON lines on stdout
-behind a marker, so library logging cannot be mistaken for a reply. It can also misbehave on
-purpose (wrong metadata, dying mid-transfer) to exercise the engine's error paths.
+``engine.send_weights()``. Commands and replies travel over pipes; its output goes to its log.
+It can also misbehave on purpose (wrong metadata, dying mid-transfer) to exercise the engine's
+error paths.
 
     with TrainerProcess(v2_path) as trainer:
         trainer.init("ascend_rl_hccl", server.url, world_size=2)
@@ -14,21 +14,38 @@ purpose (wrong metadata, dying mid-transfer) to exercise the engine's error path
 
 from __future__ import annotations
 
-import json
+import atexit
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
 import os
-import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
-REPLY = "@@trainer-reply@@ "
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Imported once in a fork server (CPU): each trainer is forked from it instead of importing
+# torch and vLLM again (13 s of CPU per trainer on the CI host).
+PRELOAD = [
+    "torch",
+    "safetensors.torch",
+    "tests.support.tiny_model",
+    "vllm.distributed.weight_transfer",
+    "vllm_ascend_rl.weight_transfer.hccl_trainer",
+    "vllm_ascend_rl.weight_transfer.npu_ipc_trainer",
+]
 
 
-def _with_root(pythonpath: str | None) -> str:
-    return os.pathsep.join([REPO_ROOT, *([pythonpath] if pythonpath else [])])
+def _context() -> multiprocessing.context.BaseContext:
+    """A fork server on CPU; on NPU a fresh interpreter per trainer (nothing may initialise
+    the device before a fork, and vLLM's platform detection would import torch_npu)."""
+    if os.environ.get("VLLM_ASCEND_RL_DEVICE") == "npu":
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 class TrainerError(RuntimeError):
@@ -36,7 +53,7 @@ class TrainerError(RuntimeError):
 
 
 class TrainerProcess:
-    """Client for ``python -m tests.support.trainer`` running in a subprocess."""
+    """Client for a trainer process (:func:`_serve`), commands and replies over pipes."""
 
     def __init__(
         self,
@@ -47,23 +64,18 @@ class TrainerProcess:
     ) -> None:
         self.model_path = str(model_path)
         self.last_url: str | None = None
-        self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (lives with the process)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.trainer", self.model_path],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            # The kit is not installed: the child finds it from the repository root.
-            env={
-                **os.environ,
-                "PYTHONPATH": _with_root(os.environ.get("PYTHONPATH")),
-                **(env or {}),
-            },
-            text=True,
-            bufsize=1,
-            start_new_session=True,
+        ctx = _context()
+        commands, self._commands = ctx.Pipe(duplex=False)
+        self._replies_in, replies = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(
+            target=_child,
+            args=(self.model_path, env or {}, str(log_path or os.devnull), commands, replies),
+            name="trainer",
         )
-        self._replies: list[str] = []
+        self.proc.start()
+        commands.close()  # the child holds them now: its exit is our EOF
+        replies.close()
+        self._replies: list[dict] = []
         self._eof = False
         self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -71,32 +83,33 @@ class TrainerProcess:
         self.request("ping", timeout_s=300)
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(REPLY):
-                with self._cv:
-                    self._replies.append(line[len(REPLY) :])
-                    self._cv.notify_all()
-            else:
-                self.log.write(line.encode())
-        self.proc.wait()  # stdout closed: the process is exiting
+        while True:
+            try:
+                reply = self._replies_in.recv()
+            except (EOFError, OSError):  # the process is exiting
+                break
+            with self._cv:
+                self._replies.append(reply)
+                self._cv.notify_all()
         with self._cv:
             self._eof = True
             self._cv.notify_all()
 
     def request(self, cmd: str, timeout_s: float = 600, **args: Any) -> Any:
         """Send one command and wait for its reply; TrainerError if it failed."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self._commands.send({"cmd": cmd, **args})
+        except OSError:  # it died; the wait below reports how
+            pass
         with self._cv:
             if not self._cv.wait_for(lambda: self._replies or self._eof, timeout_s):
                 raise TimeoutError(f"trainer command {cmd!r} timed out after {timeout_s}s")
             if not self._replies:
+                self.proc.join(10)  # only this thread joins: the sentinel has one reader
                 raise TrainerError(
-                    f"trainer process exited with code {self.proc.poll()} during {cmd!r}"
+                    f"trainer process exited with code {self.proc.exitcode} during {cmd!r}"
                 )
-            reply = json.loads(self._replies.pop(0))
+            reply = self._replies.pop(0)
         if not reply["ok"]:
             raise TrainerError(reply["error"])
         return reply.get("result")
@@ -152,20 +165,23 @@ class TrainerProcess:
         return self.request("registered_engines")
 
     def wait_exit(self, timeout_s: float = 60) -> int:
-        return self.proc.wait(timeout_s)
+        self.proc.join(timeout_s)
+        if self.proc.exitcode is None:
+            raise TimeoutError(f"the trainer process did not exit within {timeout_s}s")
+        return self.proc.exitcode
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.is_alive():
             try:
                 self.request("exit", timeout_s=30)
             except Exception:
                 pass
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
+            self.proc.join(30)
+            if self.proc.is_alive():
                 self.proc.kill()
-                self.proc.wait(30)
-        self.log.close()
+                self.proc.join(30)
+        self._commands.close()
+        self._replies_in.close()
 
     def __enter__(self) -> TrainerProcess:
         return self
@@ -224,7 +240,39 @@ def _patch_payload(engine, patch: dict) -> None:
     engine.payload = patched
 
 
-def _serve(model_path: str) -> None:
+def _child(
+    model_path: str,
+    env: dict[str, str],
+    log_path: str,
+    commands: multiprocessing.connection.Connection,
+    replies: multiprocessing.connection.Connection,
+) -> None:
+    """The trainer process: its environment and log, then :func:`_serve` until told to exit
+    or its client is gone, then the exit handlers (multiprocessing skips them)."""
+    from multiprocessing import resource_tracker
+
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # Its own resource tracker, as a trainer has: a fork server's children share the test
+    # process's, which would unlink a dead trainer's segments only when the tests end.
+    tracker = resource_tracker._resource_tracker
+    if tracker._fd is not None:
+        os.close(tracker._fd)
+        tracker._fd = tracker._pid = None
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        _serve(model_path, commands, replies)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def _serve(
+    model_path: str,
+    commands: multiprocessing.connection.Connection,
+    replies: multiprocessing.connection.Connection,
+) -> None:
     import torch
     from safetensors.torch import load_file
     from vllm.distributed.weight_transfer import (
@@ -248,11 +296,13 @@ def _serve(model_path: str) -> None:
     last_url: str | None = None
 
     def reply(ok: bool, result: Any = None, error: str | None = None) -> None:
-        sys.stdout.write(REPLY + json.dumps({"ok": ok, "result": result, "error": error}) + "\n")
-        sys.stdout.flush()
+        replies.send({"ok": ok, "result": result, "error": error})
 
-    for line in sys.stdin:
-        msg = json.loads(line)
+    while True:
+        try:
+            msg = commands.recv()
+        except EOFError:  # the client is gone
+            return
         cmd = msg["cmd"]
         try:
             if cmd == "ping":
@@ -362,7 +412,3 @@ def _init_info(backend: str, fields: dict):
 
         return NPUIPCTrainerInitInfo(**{"rank": 0, **fields})
     raise ValueError(f"unknown backend {backend!r}")
-
-
-if __name__ == "__main__":
-    _serve(sys.argv[1])
