@@ -25,7 +25,6 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Imported once in a fork server (CPU): each trainer is forked from it instead of importing
 # torch and vLLM again (13 s of CPU per trainer on the CI host).
 PRELOAD = [
