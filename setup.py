@@ -1,14 +1,14 @@
 """Build script for vllm_ascend_rl.
 
-The C++ extension ``vllm_ascend_rl._C`` (virtual-memory back ends of the sleep allocator) is
-built on every install. Its host back end needs nothing but a C++ compiler; the ACL back end is
-added when a CANN toolkit is found (``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or
-``/usr/local/Ascend/ascend-toolkit/latest``), unless ``VLLM_ASCEND_RL_NO_ACL=1``. The ACL build
-links ``libascendcl`` with an rpath to that toolkit; set ``VLLM_ASCEND_RL_NO_ACL=1`` to build a
-host-only extension (for example a wheel built on a machine with another CANN). vLLM,
-vllm-ascend and torch_npu are not dependencies on Ascend hosts: they come from the user's
-Ascend stack. On CPU hosts the ``cpu`` extra pins the CPU build of vLLM.
-It also holds the CPU stand-in's multi-threaded staging copy (``host_copy``).
+The native library ``vllm_ascend_rl.libvmm`` (virtual-memory back ends of the sleep allocator,
+loaded with ctypes by ``vllm_ascend_rl.vmm``) is built on every install. Its host back end needs
+nothing but a C++ compiler; the ACL back end is added when a CANN toolkit is found
+(``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or ``/usr/local/Ascend/ascend-toolkit/latest``),
+unless ``VLLM_ASCEND_RL_NO_ACL=1``. The ACL build links ``libascendcl`` with an rpath to that
+toolkit; set ``VLLM_ASCEND_RL_NO_ACL=1`` to build a host-only extension (for example a wheel
+built on a machine with another CANN). vLLM, vllm-ascend and torch_npu are not dependencies on
+Ascend hosts: they come from the user's Ascend stack. On CPU hosts the ``cpu`` extra pins the
+CPU build of vLLM. It also holds the CPU stand-in's multi-threaded staging copy (``host_copy``).
 """
 
 import os
@@ -32,7 +32,6 @@ def cann_root() -> str | None:
 
 def vmm_extension() -> Extension:
     sources = [
-        "csrc/vmm_module.cpp",
         "csrc/vmm_entry.cpp",
         "csrc/vmm_host.cpp",
         "csrc/host_copy.cpp",
@@ -56,7 +55,7 @@ def vmm_extension() -> Extension:
                 kwargs["library_dirs"].append(path)
                 kwargs["runtime_library_dirs"].append(path)
     return Extension(
-        "vllm_ascend_rl._C",
+        "vllm_ascend_rl.libvmm",
         sources=sources,
         language="c++",
         extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra", "-pthread"],

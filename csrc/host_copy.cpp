@@ -1,13 +1,14 @@
 // A host memcpy on a few threads, GIL released, for the staging copies of weight transfers on
 // CPU: one thread does not reach memory bandwidth, and torch's copy_ goes through the OpenMP
 // pool, whose barrier stalls for milliseconds while a colocated vLLM worker holds the cores.
+#include <errno.h>
 #include <string.h>
 
 #include <algorithm>
 #include <thread>
 #include <vector>
 
-#include "py_args.h"
+#include "vmm_table.h"
 
 namespace {
 
@@ -32,25 +33,10 @@ void parallel_copy(unsigned char* dst, const unsigned char* src, uint64_t n, uin
 
 }  // namespace
 
-// host_copy(dst, src, nbytes, threads): addresses of host memory that the caller owns and
-// checked (contiguous, at least nbytes, not overlapping). In _C's method table (vmm_module.cpp).
-PyObject* py_host_copy(PyObject*, PyObject* args) {
-  uint64_t dst, src, n, threads;
-  if (!PyArg_ParseTuple(args, "O&O&O&O&", to_u64, &dst, to_u64, &src, to_u64, &n, to_u64,
-                        &threads)) {
-    return nullptr;
-  }
-  if (n != 0 && (dst == 0 || src == 0)) {
-    PyErr_SetString(PyExc_ValueError, "copy: null address");
-    return nullptr;
-  }
-  if (n != 0 && dst < src + n && src < dst + n) {
-    PyErr_SetString(PyExc_ValueError, "copy: source and destination overlap");
-    return nullptr;
-  }
-  Py_BEGIN_ALLOW_THREADS
-  parallel_copy(reinterpret_cast<unsigned char*>(dst),
-                reinterpret_cast<const unsigned char*>(src), n, threads);
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
+int vmm_host_copy(void* dst, const void* src, uint64_t n, uint64_t threads) {
+  auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  if (n != 0 && (d == 0 || s == 0 || (d < s + n && s < d + n))) return EINVAL;
+  parallel_copy(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), n,
+                threads);
+  return 0;
 }

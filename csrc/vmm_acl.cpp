@@ -2,7 +2,7 @@
 // NPUPluggableAllocator calls. Built only with CANN; CI compiles it against acl_decls/ (a
 // verbatim subset of CANN 9.1.0's headers). Not yet run on Ascend hardware. Every ACL call and
 // argument is recorded, with the header and document it was checked against, in
-// docs/ascend-conformance.md. Errors are aclError codes: VmmError in vmm_module.cpp, a log line
+// docs/ascend-conformance.md. Errors are aclError codes: VmmError in vmm.py, a log line
 // in the entry points (vmm_entry.cpp); nothing throws across the C boundary.
 #include <acl/acl.h>
 #include <stdio.h>

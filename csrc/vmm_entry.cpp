@@ -10,12 +10,10 @@
 // end's code and message (torch's bare OOM says nothing), and leave no mapping behind.
 #include <errno.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <mutex>
-#include <string>
 #include <unordered_map>
-#include <utility>
-#include <vector>
 
 #include "vmm.h"
 #include "vmm_table.h"
@@ -25,9 +23,11 @@ namespace {
 struct Table {
   std::mutex mutex;
   std::unordered_map<uint64_t, VmmEntry> entries;  // by address
-  std::string tag = "default";                      // allocator.DEFAULT_TAG
+  char tag[VMM_TAG_BYTES] = "default";              // allocator.DEFAULT_TAG
   uint64_t next_id = 1;
 };
+
+void copy_tag(char* dst, const char* src) { snprintf(dst, VMM_TAG_BYTES, "%s", src); }
 
 // Never destroyed: torch_npu may free pool memory while the process exits, after this library's
 // static destructors would have run.
@@ -42,11 +42,11 @@ VmmEntry* find(Table& t, uint64_t addr, uint64_t id) {
   return &it->second;
 }
 
-VmmStatus ok(const VmmBackend* b) { return VmmStatus{true, 0, nullptr, b}; }
+VmmStatus ok(const VmmBackend* b) { return VmmStatus{1, 0, nullptr, b}; }
 VmmStatus failed(const VmmBackend* b, const char* op, int err) {
-  return VmmStatus{true, err, op, b};
+  return VmmStatus{1, err, op, b};
 }
-VmmStatus gone() { return VmmStatus{false, 0, nullptr, nullptr}; }
+VmmStatus gone() { return VmmStatus{0, 0, nullptr, nullptr}; }
 
 // Release an entry's physical memory, recording each step as it succeeds (the mutex is held, as
 // torch_memory_saver's pause holds it across cuMemUnmap/cuMemRelease).
@@ -55,7 +55,7 @@ VmmStatus release_physical(VmmEntry& e) {
   int err;
   if (e.mapped) {
     if ((err = b->unmap(e.addr, e.size, e.device)) != 0) return failed(b, "unmap", err);
-    e.mapped = false;
+    e.mapped = 0;
   }
   if (e.handle != 0) {
     uint64_t handle = e.handle;
@@ -76,33 +76,42 @@ bool take(const VmmBackend* b, uint64_t va, VmmEntry* out) {
   std::lock_guard<std::mutex> lock(t.mutex);
   auto it = t.entries.find(va);
   if (it == t.entries.end() || it->second.backend != b) return false;
-  *out = std::move(it->second);
+  *out = it->second;
   t.entries.erase(it);
   return true;
 }
 
 }  // namespace
 
-std::string vmm_table_set_tag(const std::string& tag) {
-  std::string copy = tag;
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  std::swap(t.tag, copy);
-  return copy;
+const VmmBackend* vmm_backend(const char* name) {
+  if (strcmp(name, vmm_host_backend.name) == 0) return &vmm_host_backend;
+#ifdef VLLM_ASCEND_RL_WITH_ACL
+  if (strcmp(name, vmm_acl_backend.name) == 0) return &vmm_acl_backend;
+#endif
+  return nullptr;
 }
 
-std::vector<VmmEntry> vmm_table_entries(const VmmBackend* b) {
+void vmm_table_set_tag(const char* tag, char* previous) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
-  std::vector<VmmEntry> out;
+  copy_tag(previous, t.tag);
+  copy_tag(t.tag, tag);
+}
+
+size_t vmm_table_entries(const VmmBackend* b, VmmEntry* out, size_t capacity) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  size_t n = 0;
   for (const auto& kv : t.entries) {
-    if (kv.second.backend == b) out.push_back(kv.second);
+    if (kv.second.backend != b) continue;
+    if (n < capacity) out[n] = kv.second;
+    ++n;
   }
-  return out;
+  return n;
 }
 
-VmmStatus vmm_table_allocate(const VmmBackend* b, size_t size, int device, int populate,
-                             const std::string* tag, VmmEntry* out) {
+VmmStatus vmm_table_allocate(const VmmBackend* b, uint64_t size, int device, int populate,
+                             const char* tag, VmmEntry* out) {
   size_t gran = 0;
   int err = b->granularity(device, &gran);
   if (err != 0) return failed(b, "granularity", err);
@@ -123,10 +132,10 @@ VmmStatus vmm_table_allocate(const VmmBackend* b, size_t size, int device, int p
   try {
     Table& t = table();
     std::lock_guard<std::mutex> lock(t.mutex);
-    VmmEntry e{b, va, aligned, device, handle, true, tag != nullptr ? *tag : t.tag, t.next_id};
+    VmmEntry e{b, va, aligned, handle, t.next_id++, device, 1, {}};
+    copy_tag(e.tag, tag != nullptr ? tag : t.tag);
     *out = e;
-    t.entries[va] = std::move(e);
-    ++t.next_id;
+    t.entries[va] = e;
   } catch (...) {  // out of host memory: memory the table does not know could never be released
     b->unmap(va, aligned, device);
     b->free_handle(handle, device);
@@ -165,7 +174,7 @@ VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate) {
     }
     return failed(b, "map", err);
   }
-  e->mapped = true;
+  e->mapped = 1;
   return ok(b);
 }
 
@@ -182,12 +191,11 @@ VmmStatus vmm_table_free(uint64_t addr, uint64_t id) {
   return st;
 }
 
-bool vmm_table_retag(uint64_t addr, uint64_t id, const std::string& tag) {
-  std::string copy = tag;
+int vmm_table_retag(uint64_t addr, uint64_t id, const char* tag) {
   Table& t = table();
   std::lock_guard<std::mutex> lock(t.mutex);
   VmmEntry* e = find(t, addr, id);
-  if (e != nullptr) e->tag = std::move(copy);
+  if (e != nullptr) copy_tag(e->tag, tag);
   return e != nullptr;
 }
 
@@ -196,13 +204,7 @@ bool vmm_table_retag(uint64_t addr, uint64_t id, const std::string& tag) {
 extern "C" void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device) {
   if (size <= 0) return nullptr;
   VmmEntry e{};
-  VmmStatus st{};
-  try {
-    st = vmm_table_allocate(b, static_cast<size_t>(size), device, 1, nullptr, &e);
-  } catch (...) {  // vmm_table_allocate throws nothing; this only keeps the C boundary tight
-    fprintf(stderr, "vllm_ascend_rl: %s malloc of %zd bytes failed\n", b->name, size);
-    return nullptr;
-  }
+  VmmStatus st = vmm_table_allocate(b, static_cast<uint64_t>(size), device, 1, nullptr, &e);
   if (st.err != 0) {
     log_failure(b, st.op, 0, st.err);
     return nullptr;

@@ -155,10 +155,10 @@ def test_acl_virtual_memory_sleeps_wakes_and_zeroes():
     survive level 1, a discarded tag wakes as zeros, addresses never move."""
     import torch
 
-    from vllm_ascend_rl import _C
+    from vllm_ascend_rl import vmm
     from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
-    assert "acl" in _C.backends(), "the extension was built without CANN"
+    assert "acl" in vmm.backends(), "the extension was built without CANN"
     torch.npu.set_device(0)
     # The process's one allocator: the pool's C callbacks report to it (N5).
     alloc = CaMemAllocator.get_instance("acl", device=0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.unit.test_camem_allocator import fill
-from vllm_ascend_rl import _C
+from vllm_ascend_rl import vmm
 from vllm_ascend_rl.device.cpu import CpuDevice
 from vllm_ascend_rl.sleep import allocator as allocator_mod
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
@@ -26,13 +26,13 @@ MiB = 1 << 20
 class Vmm:
     """The real extension, with hooks to fail or observe single calls."""
 
-    VmmError = _C.VmmError
+    VmmError = vmm.VmmError
 
     def __init__(self, **hooks) -> None:
         self.hooks, self.calls = hooks, []
 
     def __getattr__(self, name):
-        real = getattr(_C, name)
+        real = getattr(vmm, name)
         if name in ("VmmError", "backends", "maps_zeroed", "granularity"):
             return self.hooks.get(name, real)
 
@@ -53,7 +53,7 @@ def cleanup():
     made: list[CaMemAllocator] = []
     yield made.append
     for a in made:
-        a.vmm = _C
+        a.vmm = vmm
         for addr in list(a.allocations):
             a.free(addr)
 
@@ -127,7 +127,7 @@ def test_a_failed_free_after_unmap_leaves_a_consistent_asleep_allocation(cleanup
     a = _allocator()
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
-    _C.free("host", kv.handle)
+    vmm.free("host", kv.handle)
     with pytest.raises(SleepError, match=r"host VMM free failed \(code 9\)"):
         a.sleep()
     now = a.allocations[kv.addr]
@@ -143,7 +143,7 @@ def test_free_keeps_the_allocation_known_until_it_is_released(cleanup):
     a = _allocator()
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
-    _C.free("host", kv.handle)
+    vmm.free("host", kv.handle)
     with pytest.raises(SleepError, match="free failed"):
         a.free(kv.addr)
     now = a.allocations[kv.addr]
@@ -156,13 +156,13 @@ def test_integer_arguments_are_checked():
     """[S3] -1 is refused, not wrapped to 2**64-1; a handle above INT_MAX is not truncated
     into an unrelated file descriptor."""
     with pytest.raises(ValueError, match="non-negative"):
-        _C.reserve("host", -1)
+        vmm.reserve("host", -1)
     with pytest.raises(TypeError):
-        _C.reserve("host", True)
+        vmm.reserve("host", True)
     fd = os.open(os.devnull, os.O_RDONLY)
     try:
-        with pytest.raises(_C.VmmError) as e:
-            _C.free("host", (1 << 32) + fd)
+        with pytest.raises(vmm.VmmError) as e:
+            vmm.free("host", (1 << 32) + fd)
         assert e.value.args[0] == 9  # EBADF
         os.fstat(fd)  # still open
     finally:
@@ -285,8 +285,8 @@ def test_host_pool_serves_only_what_it_can(cleanup):
 
 def _host_entry_points():
     """The host malloc/free pair through ctypes.CDLL (which releases the GIL for the call)."""
-    lib = ctypes.CDLL(_C.__file__)
-    malloc, free = getattr(lib, _C.HOST_MALLOC), getattr(lib, _C.HOST_FREE)
+    lib = ctypes.CDLL(vmm.LIBRARY)
+    malloc, free = getattr(lib, vmm.HOST_MALLOC), getattr(lib, vmm.HOST_FREE)
     malloc.restype = ctypes.c_void_p
     malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
     free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
@@ -391,8 +391,10 @@ def test_entry_points_take_no_gil(native_thread, cleanup):
     they did through Python callbacks) could not finish, and the wait would time out."""
     a = _allocator()
     cleanup(a)
-    lib = ctypes.CDLL(_C.__file__)
-    entry = [ctypes.cast(getattr(lib, n), ctypes.c_void_p) for n in (_C.HOST_MALLOC, _C.HOST_FREE)]
+    lib = ctypes.CDLL(vmm.LIBRARY)
+    entry = [
+        ctypes.cast(getattr(lib, n), ctypes.c_void_p) for n in (vmm.HOST_MALLOC, vmm.HOST_FREE)
+    ]
     job = _Job(entry[0].value, entry[1].value, 2 * MiB, None)
     starter, holding_gil = ctypes.CDLL(native_thread), ctypes.PyDLL(native_thread)
     holding_gil.wait_job.argtypes = [ctypes.c_ulong, ctypes.c_int]
@@ -424,8 +426,8 @@ def test_an_asleep_allocation_freed_through_the_entry_point_is_released_once(cle
     assert a.allocations[ptr].handle is None and not a.allocations[ptr].mapped
     free(ptr, 2 * MiB, 0, None)
     assert ptr not in a.allocations and "vllm_ascend_rl" not in capfd.readouterr().err
-    with pytest.raises(_C.VmmError):  # the sleep freed it, once
-        _C.free("host", handle)
+    with pytest.raises(vmm.VmmError):  # the sleep freed it, once
+        vmm.free("host", handle)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.msync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     assert libc.msync(ptr, 4096, 1) == -1 and ctypes.get_errno() == 12  # ENOMEM: released

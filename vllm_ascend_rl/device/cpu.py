@@ -8,7 +8,6 @@ import re
 import secrets
 import threading
 import time
-from functools import cache
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -32,13 +31,6 @@ _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
 
 PARALLEL_COPY_BYTES = 8 << 20  # smaller copies stay on the calling thread
 COPY_THREADS = min(4, os.cpu_count() or 1)
-
-
-@cache
-def _host_kernels():
-    from vllm_ascend_rl import _C
-
-    return _C
 
 
 class CpuDevice(Device):
@@ -81,12 +73,14 @@ class CpuDevice(Device):
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Not torch's copy_: its OpenMP pool stalls for milliseconds per call while a colocated
         # vLLM CPU worker holds the cores. Small copies: numpy's memcpy on this thread; large
-        # ones: _C.host_copy on plain threads, as one thread does not reach memory bandwidth.
+        # ones: vmm.host_copy on plain threads, as one thread does not reach memory bandwidth.
         n = dst.numel()
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
                 raise ValueError(f"copy_bytes: {src.numel()} bytes into {n}")
-            _host_kernels().host_copy(dst.data_ptr(), src.data_ptr(), n, COPY_THREADS)
+            from vllm_ascend_rl.vmm import host_copy
+
+            host_copy(dst.data_ptr(), src.data_ptr(), n, COPY_THREADS)
         else:
             dst.numpy()[:] = src.numpy()
 

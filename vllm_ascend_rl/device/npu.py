@@ -272,19 +272,19 @@ _PLUGGABLE: list = []
 
 @contextmanager
 def pluggable_pool(allocator):
-    """Route torch_npu allocations inside the block through ``vllm_ascend_rl._C``'s ACL VMM
+    """Route torch_npu allocations inside the block through ``vllm_ascend_rl.libvmm``'s ACL VMM
     entry points, which record each in the allocation table with the tag
     ``allocator.use_memory_pool`` set, and run no Python. Each entry gets a fresh pool, never
     allocated from after the block, so the segments it caches unused (freed during loading,
     format conversion, quantization) are given back at the end, as vLLM's cumem allocator
     trims its pools (vllm/device_allocator/cumem.py:402-435, vLLM 0.32.0); kept, they would be
     backed up every sleep and hide from KV-cache sizing."""
-    from vllm_ascend_rl import _C
+    from vllm_ascend_rl import vmm
 
     _torch_npu()
     if not _PLUGGABLE:
         _PLUGGABLE.append(
-            torch.npu.memory.NPUPluggableAllocator(_C.__file__, _C.NPU_MALLOC, _C.NPU_FREE)
+            torch.npu.memory.NPUPluggableAllocator(vmm.LIBRARY, vmm.NPU_MALLOC, vmm.NPU_FREE)
         )
     pool = torch.npu.memory.MemPool(_PLUGGABLE[0]._allocator)
     _POOLS.append(pool)

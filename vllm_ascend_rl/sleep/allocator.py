@@ -1,8 +1,8 @@
 """CaMemAllocator: tagged allocations that sleep and wake at the same virtual addresses
-(docs/sleep-mode.md). Back ends (``vllm_ascend_rl._C``): ``acl`` (CANN virtual memory, fed by
+(docs/sleep-mode.md). Back ends (``vllm_ascend_rl.vmm``): ``acl`` (CANN virtual memory, fed by
 torch_npu's pluggable allocator) and ``host`` (anonymous mmap; CPU workers and tests).
 
-Every allocation's state lives only in the extension's table (``_C.table_*``, vmm_table.h),
+Every allocation's state lives only in the native table (``vmm.table_*``, vmm_table.h),
 which the entry points use without Python (they run under torch_npu's allocator lock, where
 taking the GIL could deadlock), so a free through them always sees the current state. Only the
 host backups live here."""
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_rl import vmm as vmm_lib
 from vllm_ascend_rl.device import Device, get_device
 from vllm_ascend_rl.logs import get_logger
 
@@ -61,12 +62,6 @@ class _Backup:
     current: bool = False  # holds the entry's contents right now
 
 
-def _vmm():
-    from vllm_ascend_rl import _C
-
-    return _C
-
-
 class CaMemAllocator:
     """Sleep and wake over the process's one allocation table: use ``get_instance`` (another
     instance of the same back end sees the same entries). Every method is thread-safe."""
@@ -105,7 +100,7 @@ class CaMemAllocator:
         device: int = 0,
         keep_backups: bool | None = None,
     ) -> None:
-        self.vmm = vmm or _vmm()
+        self.vmm = vmm or vmm_lib
         if backend not in self.vmm.backends():
             raise SleepError(
                 f"VMM back end {backend!r} is not available (built: {self.vmm.backends()})"
@@ -301,7 +296,7 @@ class CaMemAllocator:
     def _snapshot(
         self, addr: int, size: int, device: int, handle: int, mapped: bool, tag: str, id_: int
     ) -> Allocation:
-        """An Allocation from a table row (``_C.table_entries``)."""
+        """An Allocation from a table row (``vmm.table_entries``)."""
         backup = self._backups.get(addr)
         if backup is not None and backup.id != id_:
             backup = None
