@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import TinyModelSpec, build_tiny_model
+from tests.support import TinyModelSpec, VLLMServer, build_model_pair, build_tiny_model, engine_args
+from tests.support.shared_servers import SharedServers
+from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 
 
 def pytest_addoption(parser):
@@ -43,6 +45,54 @@ def pytest_collection_modifyitems(config, items):
 def tiny_model():
     """The default tiny checkpoint ("v1" weights, seed 1)."""
     return build_tiny_model(TinyModelSpec(seed=1))
+
+
+@pytest.fixture(scope="session")
+def model_pair():
+    """(v1, v2): ``tiny_model`` and the same shape with other weights (seed 2)."""
+    return build_model_pair()
+
+
+@pytest.fixture(scope="session")
+def standin_env(tmp_path_factory) -> dict[str, str]:
+    """Environment that puts vllm-ascend's registrations (engines ``hccl``, ``npu_ipc``, made
+    without a guard) beside ours in every process that runs general plugins: on an Ascend
+    host the real vllm-ascend is there already; elsewhere a stand-in is discovered first (it
+    also registers trainers ``npu_ipc`` and ``hccl``) and appends its pid to STANDIN_MARKER."""
+    if real_vllm_ascend_installed():
+        return {}  # the real plugin is the test; a stand-in would register its names twice
+    root = tmp_path_factory.mktemp("standin")
+    path = install_standin(root / "site")
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])),
+        "STANDIN_MARKER": str(root / "pids"),
+    }
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory):
+    shared = SharedServers(tmp_path_factory.mktemp("shared-servers"))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def reference_v1(shared_servers, model_pair) -> VLLMServer:
+    """vLLM's own engine on v1, shared by the session: the greedy reference for the start-up
+    weights and the upstream side of the pause/resume matrix. Users leave it resumed."""
+    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return shared_servers.get(
+        "reference-v1", lambda log: VLLMServer(model_pair[0], log_path=log, extra_args=args)
+    )
+
+
+@pytest.fixture(scope="session")
+def reference_v2(shared_servers, model_pair) -> VLLMServer:
+    """vLLM's own engine on v2, shared by the session: the greedy reference of a sync to v2."""
+    return shared_servers.get(
+        "reference-v2",
+        lambda log: VLLMServer(model_pair[1], log_path=log, extra_args=engine_args()),
+    )
 
 
 SHM = Path("/dev/shm")

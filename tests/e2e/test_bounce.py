@@ -49,18 +49,18 @@ def bounce_engine_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
+def servers(tiny_model, tmp_path_factory, reference_v1):
+    """The bounce engine, and vLLM's own engine on the same weights: the reference, and where
+    the router sends a bounced request."""
     engine = VLLMServer(
         tiny_model,
         max_model_len=512,
         extra_args=bounce_engine_args(),
         additional_config=BOUNCE,
-        log_path=logs / "bounce.log",
+        log_path=tmp_path_factory.mktemp("logs") / "bounce.log",
     )
-    reference = VLLMServer(tiny_model, extra_args=engine_args(), log_path=logs / "reference.log")
-    with serving(engine, reference):
-        yield engine, reference
+    with serving(engine):
+        yield engine, reference_v1
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,6 @@ from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from tests.support import (
     StreamingCompletion,
     VLLMServer,
-    build_model_pair,
-    engine_args,
     greedy_token_ids,
     rl_engine_args,
     serving,
@@ -33,18 +31,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    v1, v2 = build_model_pair()
-    logs = tmp_path_factory.mktemp("data-parallel")
+def servers(tmp_path_factory, model_pair, reference_v2):
+    v1, v2 = model_pair
     engine = VLLMServer(
         v1,
-        log_path=logs / "engine-dp2.log",
+        log_path=tmp_path_factory.mktemp("data-parallel") / "engine-dp2.log",
         chips=2,
         extra_args=[*rl_engine_args("ascend_rl_hccl", sleepable=True), "--data-parallel-size", "2"],
     )
-    reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
-    with serving(engine, reference):
-        yield engine, reference, v2
+    with serving(engine):
+        yield engine, reference_v2, v2
 
 
 def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):

@@ -11,7 +11,6 @@ tokens-before-pause must reproduce the tokens after the pause exactly. The share
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -22,10 +21,9 @@ import requests
 from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
 from tests.support import free_port, greedy_token_ids
 from tests.support.rl_step import check_continuations, swap_mid_generation
-from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.streams import settled
 from tests.support.trainer import TrainerError
-from tests.support.vllm_features import has_weight_version_spans, scale_out_flags
+from tests.support.vllm_features import has_weight_version_spans
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
@@ -46,24 +44,7 @@ def _init_request(engine, **init_info):
 
 
 class TestHCCLWeightSwap(WeightSyncCases):
-    """Every case runs beside vllm-ascend's registrations (engines ``hccl``, ``npu_ipc``,
-    made without a guard) in the engine and trainer processes: on an Ascend host the real
-    vllm-ascend's, elsewhere a stand-in's discovered first (it also registers trainers
-    ``npu_ipc`` and ``hccl``)."""
-
     backend = "ascend_rl_hccl"
-    extra_engine_args = scale_out_flags()  # /inference/v1/generate: weight-version spans
-
-    @pytest.fixture(scope="class")
-    def plugin_env(self, tmp_path_factory) -> dict[str, str]:
-        if real_vllm_ascend_installed():
-            return {}  # the real plugin is the test; a stand-in would register its names twice
-        root = tmp_path_factory.mktemp("standin")
-        path = install_standin(root / "site")
-        return {
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(path), os.environ.get("PYTHONPATH")])),
-            "STANDIN_MARKER": str(root / "pids"),
-        }
 
     def test_syncs_beside_vllm_ascends_registrations(
         self, engine, reference, trainer, on_v1, plugin_env

@@ -3,6 +3,7 @@ paths, and a leak test. The shared cases are in ``weight_sync_cases``."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -19,7 +20,7 @@ from vllm_ascend_rl.client import EngineControlClient
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
 GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
-CHIP = current_profile().chip_name(0)  # the engine worker's: it starts first, on the lowest
+CHIP = "<chip>"  # stands for the engine worker's chip in the cases: see on_chip
 NOBODY = "vllm_ascend_rl-00000000deadbeef"  # a doorbell address no trainer listens on
 BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
     "missing_doorbells": ({"doorbells": None}, "doorbells: Field required"),
@@ -46,6 +47,11 @@ BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the ref
 }
 
 
+def on_chip(value, chip: str):
+    """``value`` with CHIP replaced by ``chip`` (in keys and strings, at any depth)."""
+    return json.loads(json.dumps(value).replace(CHIP, chip))
+
+
 def _init_body(case: str) -> dict:
     init: dict = {"doorbells": {CHIP: NOBODY}, "timeout_s": 30}
     for field, value in BAD_INIT[case][0].items():
@@ -67,9 +73,10 @@ def rss(pids: list[int]) -> int:
 class TestNPUIPCWeightSwap(WeightSyncCases):
     backend = "ascend_rl_npu_ipc"
 
-    def test_the_cases_name_the_engine_workers_chip(self, engine):
-        """CHIP, fixed when the cases are collected, is the chip the engine runs on."""
-        assert [current_profile().chip_name(c) for c in engine.chips] == [CHIP]
+    @pytest.fixture(scope="class")
+    def chip(self, engine) -> str:
+        """The engine worker's chip, as NPU IPC names it."""
+        return current_profile().chip_name(engine.chips[0])
 
     def test_no_pickle_on_the_control_plane(self, engine):
         # The weight swaps of this class run without VLLM_ALLOW_INSECURE_SERIALIZATION: the
@@ -107,17 +114,17 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
         ],
     )
     def test_malformed_buffers_are_refused(
-        self, engine, trainer, on_v1, v1_probe, buffers, message
+        self, engine, trainer, on_v1, v1_probe, chip, buffers, message
     ):
         self.init(trainer, engine)
         with pytest.raises(TrainerError, match="refused") as err:
-            trainer.send(payload={"buffers": buffers})
-        assert message in str(err.value)
+            trainer.send(payload={"buffers": on_chip(buffers, chip)})
+        assert on_chip(message, chip) in str(err.value)
         self.assert_alive_and_intact(engine, v1_probe)
         trainer.send(weight_version="v2")  # a refusal leaves the connection usable
 
     @pytest.mark.cpu_only
-    def test_missing_segment_is_refused(self, engine, trainer, on_v1, v1_probe):
+    def test_missing_segment_is_refused(self, engine, trainer, on_v1, v1_probe, chip):
         self.init(trainer, engine)
         handle = {
             "id": "gone",
@@ -127,16 +134,16 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             "location": None,
         }
         with pytest.raises(TrainerError, match="refused"):
-            trainer.send(payload={"buffers": {CHIP: [handle]}})
-        handle["location"] = _engine_location()
+            trainer.send(payload={"buffers": {chip: [handle]}})
+        handle["location"] = _location(chip)
         with pytest.raises(TrainerError, match=f"segment '{GOOD_NAME_FORMAT}' does not exist"):
-            trainer.send(payload={"buffers": {CHIP: [handle]}})
+            trainer.send(payload={"buffers": {chip: [handle]}})
         self.assert_alive_and_intact(engine, v1_probe)
 
     @pytest.mark.cpu_only
-    def test_trainer_on_another_chip_is_named(self, engine, trainer, on_v1, v1_probe):
+    def test_trainer_on_another_chip_is_named(self, engine, trainer, on_v1, v1_probe, chip):
         self.init(trainer, engine)
-        elsewhere = {**_engine_location(), "host": "trainer-host-b", "chip": "7"}
+        elsewhere = {**_location(chip), "host": "trainer-host-b", "chip": "7"}
         handle = {
             "id": "far",
             "kind": "shm",
@@ -145,10 +152,10 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             "location": elsewhere,
         }
         with pytest.raises(TrainerError) as err:
-            trainer.send(payload={"buffers": {CHIP: [handle]}})
-        here = _engine_location()
+            trainer.send(payload={"buffers": {chip: [handle]}})
+        host = _location(chip)["host"]
         assert (
-            f"trainer on chip 7 of host trainer-host-b, engine on chip cpu0 of host {here['host']}"
+            f"trainer on chip 7 of host trainer-host-b, engine on chip {chip} of host {host}"
         ) in str(err.value)
         self.assert_alive_and_intact(engine, v1_probe)
 
@@ -177,15 +184,17 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
 
     @pytest.mark.parametrize("case", list(BAD_INIT))
     def test_malformed_init_is_refused_and_spares_the_live_trainer(
-        self, engine, reference, trainer, on_v1, v1_probe, case
+        self, engine, reference, trainer, on_v1, v1_probe, chip, case
     ):
         """Refused at once, naming the field; the live trainer's connection still syncs."""
         t0 = time.monotonic()
         r = requests.post(
-            engine.url + "/init_weight_transfer_engine", json=_init_body(case), timeout=120
+            engine.url + "/init_weight_transfer_engine",
+            json=on_chip(_init_body(case), chip),
+            timeout=120,
         )
         elapsed = time.monotonic() - t0
-        assert r.status_code >= 400 and BAD_INIT[case][1] in r.text, r.text
+        assert r.status_code >= 400 and on_chip(BAD_INIT[case][1], chip) in r.text, r.text
         assert elapsed < 10, f"refused after {elapsed:.1f}s (timeout_s=30)"
         self.assert_alive_and_intact(engine, v1_probe)
         ctl = EngineControlClient(engine.url)
@@ -195,7 +204,8 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)
 
 
-def _engine_location() -> dict:
+def _location(chip: str) -> dict:
+    """The CPU stand-in's location of the engine worker on ``chip``."""
     from vllm_ascend_rl.device import get_device
 
-    return get_device("cpu").location()
+    return {**get_device("cpu").location(), "chip": chip}

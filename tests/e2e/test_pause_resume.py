@@ -36,14 +36,14 @@ SCHEDULERS = ("plugin", "plugin-bounce", "default")
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
-    """One server per scheduler, started side by side."""
+def servers(tiny_model, tmp_path_factory, reference_v1):
+    """One server per scheduler: the plugin's two, started side by side, and the session's
+    shared vLLM engine on the same weights (``default``)."""
     logs = tmp_path_factory.mktemp("logs")
     found = {}
-    for kind in SCHEDULERS:
+    for kind in SCHEDULERS[:2]:
         args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-        if kind.startswith("plugin"):
-            args += ["--scheduler-cls", PLUGIN_SCHEDULER]
+        args += ["--scheduler-cls", PLUGIN_SCHEDULER]
         bounce = {"ascend_rl": {"recompute_mode": "bounce"}} if kind == "plugin-bounce" else {}
         found[kind] = VLLMServer(
             tiny_model,
@@ -51,9 +51,8 @@ def servers(tiny_model, tmp_path_factory):
             log_path=logs / f"server-{kind}.log",
             additional_config=bounce,
         )
-        found[kind].scheduler_kind = kind
     with serving(*found.values()):
-        yield found
+        yield {**found, "default": reference_v1}
 
 
 @pytest.fixture(scope="module", params=SCHEDULERS)
@@ -80,11 +79,12 @@ def is_paused(server: VLLMServer) -> bool:
     return r.json()["is_paused"]
 
 
-def test_server_runs_the_requested_scheduler(server):
+def test_server_runs_the_requested_scheduler(server, request):
+    kind = request.node.callspec.params["server"]
     log = server.log_path.read_text(errors="replace")
     uses_plugin = f"Using custom scheduler class {PLUGIN_SCHEDULER}" in log
-    assert uses_plugin == server.scheduler_kind.startswith("plugin")
-    assert ("recompute_mode=bounce" in log) == (server.scheduler_kind == "plugin-bounce")
+    assert uses_plugin == kind.startswith("plugin")
+    assert ("recompute_mode=bounce" in log) == (kind == "plugin-bounce")
 
 
 def test_pause_resume_state_is_idempotent_across_cycles(server, ctl):

@@ -59,7 +59,6 @@ def server(models, tmp_path_factory):
             *("--enable-prefix-caching", "--enable-prompt-tokens-details"),  # pause tests
         ],
     )
-    srv.scheduler_kind = "plugin"  # for the shared pause tests
     with serving(srv):
         yield srv
 

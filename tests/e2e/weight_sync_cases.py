@@ -1,8 +1,10 @@
 """The weight-swap e2e shared by every weight-transfer backend (HCCL, NPU-IPC).
 
-A test class sets ``backend`` and subclasses :class:`WeightSyncCases`. Per class: one engine
-server on v1 weights with ``--weight-transfer-config '{"backend": <backend>}'`` and the plugin
-scheduler, one reference server on v2 (validation only), one trainer process holding v2.
+A test class sets ``backend`` and subclasses :class:`WeightSyncCases`. Per backend, shared by
+every class of the session: one engine server on v1 weights with ``--weight-transfer-config
+'{"backend": <backend>}'`` and the plugin scheduler, beside vllm-ascend's registrations (on an
+Ascend host the real vllm-ascend's, elsewhere a stand-in's, discovered first). The session's
+reference servers on v1 and v2 validate; each class has a trainer process holding v2.
 """
 
 from __future__ import annotations
@@ -15,20 +17,12 @@ from typing import ClassVar
 import pytest
 import requests
 
-from tests.support import (
-    PLUGIN_SCHEDULER,
-    VLLMServer,
-    build_model_pair,
-    engine_args,
-    free_port,
-    greedy_token_ids,
-    serving,
-)
+from tests.support import PLUGIN_SCHEDULER, VLLMServer, engine_args, free_port, greedy_token_ids
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
-from tests.support.vllm_features import has_route
+from tests.support.vllm_features import has_route, scale_out_flags
 from vllm_ascend_rl.client import EngineControlClient
 
 PROBE = "Weights under test:"
@@ -84,20 +78,20 @@ def init_trainer(backend: str, trainer: TrainerProcess, engine: VLLMServer, **kw
 
 
 class WeightSyncServers:
-    """Per class: an engine on v1, a reference on v2 and a trainer process holding v2."""
+    """The backend's shared engine (on v1 at the start of every test, through ``on_v1``),
+    the session's references, and per class a trainer process holding v2."""
 
     backend: ClassVar[str]
-    extra_engine_args: ClassVar[list[str]] = []
 
-    # -- fixtures (one set of servers and one trainer per test class) ------------------
+    # -- fixtures -----------------------------------------------------------------------
     @pytest.fixture(scope="class")
-    def models(self):
-        return build_model_pair()
+    def models(self, model_pair):
+        return model_pair
 
     @pytest.fixture(scope="class")
-    def plugin_env(self, tmp_path_factory) -> dict[str, str]:
+    def plugin_env(self, standin_env) -> dict[str, str]:
         """Extra environment of the engine server and the trainer process."""
-        return {}
+        return standin_env
 
     def trainer_env(self, plugin_env: dict[str, str], engine: VLLMServer) -> dict[str, str]:
         """A trainer on the engine's chip (NPU IPC) or on one of its own (HCCL)."""
@@ -105,39 +99,23 @@ class WeightSyncServers:
         return {**plugin_env, **trainer_env(engine.chips, colocated=colocated)}
 
     @pytest.fixture(scope="class")
-    def servers(self, models, tmp_path_factory, plugin_env):
-        v1, v2 = models
-        logs = tmp_path_factory.mktemp(f"{self.backend}-logs")
+    def engine(self, shared_servers, models, plugin_env):
         backend_flag = f'{{"backend": "{self.backend}"}}'
-        engine = VLLMServer(
-            v1,
-            env=plugin_env,
-            log_path=logs / "engine.log",
-            extra_args=[
-                *engine_args(),
-                "--scheduler-cls",
-                PLUGIN_SCHEDULER,
-                *self.extra_engine_args,
-                "--weight-transfer-config",
-                backend_flag,
-            ],
+        args = [*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER, *scale_out_flags()]
+        args += ["--weight-transfer-config", backend_flag]  # scale-out: /inference/v1/generate
+        return shared_servers.get(
+            f"engine-{self.backend}",
+            lambda log: VLLMServer(models[0], env=plugin_env, log_path=log, extra_args=args),
         )
-        reference = VLLMServer(v2, log_path=logs / "reference-v2.log", extra_args=engine_args())
-        with serving(engine, reference):
-            yield engine, reference
 
     @pytest.fixture(scope="class")
-    def engine(self, servers):
-        return servers[0]
+    def reference(self, reference_v2):
+        return reference_v2
 
     @pytest.fixture(scope="class")
-    def reference(self, servers):
-        return servers[1]
-
-    @pytest.fixture(scope="class")
-    def v1_probe(self, engine):
-        """Greedy output of the engine on its start-up (v1) weights."""
-        return greedy_token_ids(engine.url, PROBE, 24)
+    def v1_probe(self, reference_v1):
+        """Greedy output on the v1 weights."""
+        return greedy_token_ids(reference_v1.url, PROBE, 24)
 
     @pytest.fixture(scope="class")
     def trainer(self, models, tmp_path_factory, plugin_env, engine):
