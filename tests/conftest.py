@@ -8,13 +8,22 @@ test-npu`` runs ``-m ascend`` (every test that runs on NPUs) that way on an Asce
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support import TinyModelSpec, VLLMServer, build_model_pair, build_tiny_model, engine_args
+from tests.support import (
+    TinyModelSpec,
+    VLLMServer,
+    build_model_pair,
+    build_tiny_model,
+    engine_args,
+    rl_engine_args,
+)
 from tests.support.shared_servers import SharedServers
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
+from tests.support.vllm_features import scale_out_flags
 
 
 def pytest_addoption(parser):
@@ -74,6 +83,24 @@ def shared_servers(tmp_path_factory):
     shared = SharedServers(tmp_path_factory.mktemp("shared-servers"))
     yield shared
     shared.close()
+
+
+@pytest.fixture(scope="session")
+def rl_engines(shared_servers, model_pair, standin_env) -> Callable[[str], VLLMServer]:
+    """``rl_engines(backend)``: the session's RL engine for a weight-transfer backend, on v1,
+    with the plugin scheduler, the sleepable worker, prefix caching and ``/inference/v1/
+    generate``, beside vllm-ascend's registrations. Users leave it resumed, awake and on v1;
+    one killed by a test is started again."""
+    flags = [*scale_out_flags(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+
+    def get(backend: str) -> VLLMServer:
+        args = [*rl_engine_args(backend, sleepable=True), *flags]
+        return shared_servers.get(
+            f"rl-{backend}",
+            lambda log: VLLMServer(model_pair[0], env=standin_env, log_path=log, extra_args=args),
+        )
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -36,23 +36,22 @@ SCHEDULERS = ("plugin", "plugin-bounce", "default")
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory, reference_v1):
-    """One server per scheduler: the plugin's two, started side by side, and the session's
-    shared vLLM engine on the same weights (``default``)."""
-    logs = tmp_path_factory.mktemp("logs")
-    found = {}
-    for kind in SCHEDULERS[:2]:
-        args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-        args += ["--scheduler-cls", PLUGIN_SCHEDULER]
-        bounce = {"ascend_rl": {"recompute_mode": "bounce"}} if kind == "plugin-bounce" else {}
-        found[kind] = VLLMServer(
-            tiny_model,
-            extra_args=args,
-            log_path=logs / f"server-{kind}.log",
-            additional_config=bounce,
-        )
-    with serving(*found.values()):
-        yield {**found, "default": reference_v1}
+def servers(tiny_model, tmp_path_factory, rl_engines, reference_v1):
+    """One server per scheduler, on the same weights: the session's RL engine (``plugin``),
+    its vLLM engine (``default``), and one in bounce mode."""
+    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    bounce = VLLMServer(
+        tiny_model,
+        extra_args=[*args, "--scheduler-cls", PLUGIN_SCHEDULER],
+        log_path=tmp_path_factory.mktemp("logs") / "server-plugin-bounce.log",
+        additional_config={"ascend_rl": {"recompute_mode": "bounce"}},
+    )
+    with serving(bounce):
+        yield {
+            "plugin": rl_engines("ascend_rl_hccl"),
+            "plugin-bounce": bounce,
+            "default": reference_v1,
+        }
 
 
 @pytest.fixture(scope="module", params=SCHEDULERS)

@@ -17,12 +17,12 @@ from typing import ClassVar
 import pytest
 import requests
 
-from tests.support import PLUGIN_SCHEDULER, VLLMServer, engine_args, free_port, greedy_token_ids
+from tests.support import VLLMServer, free_port, greedy_token_ids
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
-from tests.support.vllm_features import has_route, scale_out_flags
+from tests.support.vllm_features import has_route
 from vllm_ascend_rl.client import EngineControlClient
 
 PROBE = "Weights under test:"
@@ -99,14 +99,8 @@ class WeightSyncServers:
         return {**plugin_env, **trainer_env(engine.chips, colocated=colocated)}
 
     @pytest.fixture(scope="class")
-    def engine(self, shared_servers, models, plugin_env):
-        backend_flag = f'{{"backend": "{self.backend}"}}'
-        args = [*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER, *scale_out_flags()]
-        args += ["--weight-transfer-config", backend_flag]  # scale-out: /inference/v1/generate
-        return shared_servers.get(
-            f"engine-{self.backend}",
-            lambda log: VLLMServer(models[0], env=plugin_env, log_path=log, extra_args=args),
-        )
+    def engine(self, rl_engines):
+        return rl_engines(self.backend)
 
     @pytest.fixture(scope="class")
     def reference(self, reference_v2):
@@ -118,24 +112,33 @@ class WeightSyncServers:
         return greedy_token_ids(reference_v1.url, PROBE, 24)
 
     @pytest.fixture(scope="class")
-    def trainer(self, models, tmp_path_factory, plugin_env, engine):
+    def trainer(self, models, tmp_path_factory, plugin_env, engine, v1_probe, shared_servers):
+        """The class's trainer; at the end it leaves the shared engine on v1 (or, if it cannot,
+        has it stopped, to be started anew)."""
         log = tmp_path_factory.mktemp(f"{self.backend}-trainer") / "trainer.log"
         env = self.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=log, env=env) as t:
             yield t
+            try:
+                self.put_on_v1(t, engine, models, v1_probe)
+            except Exception as e:
+                print(f"the shared engine could not be put back on v1 ({e}): it is stopped")
+                shared_servers.discard(engine)
 
     @pytest.fixture
     def on_v1(self, engine, trainer, models, v1_probe):
-        """Put the engine back on v1 weights (by a sync); the trainer keeps holding v2."""
-        ctl = EngineControlClient(engine.url)
-        ctl.resume()
+        self.put_on_v1(trainer, engine, models, v1_probe)
+        yield
+        EngineControlClient(engine.url).resume()
+
+    def put_on_v1(self, trainer, engine, models, v1_probe) -> None:
+        """Resume the engine and sync v1 weights into it; the trainer keeps holding v2."""
+        EngineControlClient(engine.url).resume()
         self.init(trainer, engine)
         trainer.load(models[0])
         trainer.send(weight_version="v1")
         trainer.load(models[1])
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
-        yield
-        ctl.resume()
 
     def init(self, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
         init_trainer(self.backend, trainer, engine, **kw)

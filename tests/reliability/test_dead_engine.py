@@ -1,8 +1,8 @@
 """An engine killed mid-sync (SIGKILL of its engine core and workers), seen from the trainer.
 
-One throwaway engine per backend, started side by side: each test kills its own. The trainer
-stalls mid-transfer, the engine dies during the stall, and ``send_weights`` must fail within
-``timeout_s`` with a message that names the engine, leaving no shared memory behind.
+Each test kills the session's RL engine of its backend (started again for its next user). The
+trainer stalls mid-transfer, the engine dies during the stall, and ``send_weights`` must fail
+within ``timeout_s`` with a message that names the engine, leaving no shared memory behind.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import time
 import pytest
 
 from tests.e2e.weight_sync_cases import SMALL_BUCKET, init_trainer
-from tests.support import VLLMServer, build_model_pair, rl_engine_args, serving
 from tests.support.dead_engine import kill_mid_sync
 from tests.support.profile import trainer_env
 from tests.support.trainer import TrainerProcess
@@ -25,23 +24,8 @@ TIMEOUT_S = 10
 
 
 @pytest.fixture(scope="module")
-def models():
-    return build_model_pair()
-
-
-@pytest.fixture(scope="module")
-def engines(models, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("dead-engine")
-    servers = {
-        backend: VLLMServer(
-            models[0],
-            log_path=logs / f"{backend}.log",
-            extra_args=rl_engine_args(backend),
-        )
-        for backend in BACKENDS
-    }
-    with serving(*servers.values()):
-        yield servers
+def models(model_pair):
+    return model_pair
 
 
 def shm_of_ours() -> set[str]:
@@ -50,9 +34,9 @@ def shm_of_ours() -> set[str]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_killed_mid_sync_fails_the_send_naming_the_engine(
-    engines, models, tmp_path, backend
+    rl_engines, models, tmp_path, backend
 ):
-    engine = engines[backend]
+    engine = rl_engines(backend)
     env = trainer_env(engine.chips, colocated=backend == "ascend_rl_npu_ipc")
     shm_before = shm_of_ours()
     with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:

@@ -31,10 +31,9 @@ REFUSED = "refusing to resume generation"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("sleep-misuse") / "server.log"
-    with sleepable_server(tiny_model, log) as srv:
-        yield srv
+def server(rl_engines):
+    """The session's RL engine: the sleepable worker and the plugin scheduler."""
+    return rl_engines("ascend_rl_hccl")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,13 @@ class SharedServers:
             server.start()
         return server
 
+    def discard(self, server: VLLMServer) -> None:
+        """Stop ``server`` (one a user could not leave as it found it); ``get`` starts anew."""
+        for name, known in list(self._servers.items()):
+            if known is server:
+                del self._servers[name]
+        server.stop()
+
     def close(self) -> None:
         for server in self._servers.values():
             server.stop()
