@@ -78,48 +78,54 @@ def standin_env(tmp_path_factory) -> dict[str, str]:
     }
 
 
+RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
+
+
 @pytest.fixture(scope="session")
-def shared_servers(tmp_path_factory):
-    shared = SharedServers(tmp_path_factory.mktemp("shared-servers"))
+def shared_servers(tmp_path_factory, model_pair, standin_env):
+    """The session's shared servers (tests/support/shared_servers.py):
+
+    - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
+      (v1 also the upstream side of the pause matrix and the bounce target);
+    - ``rl-<backend>`` per weight-transfer backend: an RL engine on v1 with the plugin
+      scheduler, the sleepable worker, prefix caching and ``/inference/v1/generate``, beside
+      vllm-ascend's registrations."""
+    v1, v2 = model_pair
+    prefix = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    rl_flags = [*scale_out_flags(), *prefix]
+
+    def reference(model, args):
+        return lambda log: VLLMServer(model, log_path=log, extra_args=args)
+
+    def rl_engine(backend):
+        args = [*rl_engine_args(backend, sleepable=True), *rl_flags]
+        return lambda log: VLLMServer(v1, env=standin_env, log_path=log, extra_args=args)
+
+    makers = {
+        "reference-v1": reference(v1, [*engine_args(), *prefix]),
+        "reference-v2": reference(v2, engine_args()),
+        **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
+    }
+    shared = SharedServers(tmp_path_factory.mktemp("shared-servers"), makers)
     yield shared
     shared.close()
 
 
 @pytest.fixture(scope="session")
-def rl_engines(shared_servers, model_pair, standin_env) -> Callable[[str], VLLMServer]:
-    """``rl_engines(backend)``: the session's RL engine for a weight-transfer backend, on v1,
-    with the plugin scheduler, the sleepable worker, prefix caching and ``/inference/v1/
-    generate``, beside vllm-ascend's registrations. Users leave it resumed, awake and on v1;
-    one killed by a test is started again."""
-    flags = [*scale_out_flags(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-
-    def get(backend: str) -> VLLMServer:
-        args = [*rl_engine_args(backend, sleepable=True), *flags]
-        return shared_servers.get(
-            f"rl-{backend}",
-            lambda log: VLLMServer(model_pair[0], env=standin_env, log_path=log, extra_args=args),
-        )
-
-    return get
+def rl_engines(shared_servers) -> Callable[[str], VLLMServer]:
+    """``rl_engines(backend)``: the session's RL engine for that backend. Users leave it
+    resumed, awake and on v1; one killed by a test is started again."""
+    return lambda backend: shared_servers.get(f"rl-{backend}")
 
 
 @pytest.fixture(scope="session")
-def reference_v1(shared_servers, model_pair) -> VLLMServer:
-    """vLLM's own engine on v1, shared by the session: the greedy reference for the start-up
-    weights and the upstream side of the pause/resume matrix. Users leave it resumed."""
-    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    return shared_servers.get(
-        "reference-v1", lambda log: VLLMServer(model_pair[0], log_path=log, extra_args=args)
-    )
+def reference_v1(shared_servers) -> VLLMServer:
+    return shared_servers.get("reference-v1")
 
 
 @pytest.fixture(scope="session")
-def reference_v2(shared_servers, model_pair) -> VLLMServer:
-    """vLLM's own engine on v2, shared by the session: the greedy reference of a sync to v2."""
-    return shared_servers.get(
-        "reference-v2",
-        lambda log: VLLMServer(model_pair[1], log_path=log, extra_args=engine_args()),
-    )
+def reference_v2(shared_servers) -> VLLMServer:
+    return shared_servers.get("reference-v2")
 
 
 SHM = Path("/dev/shm")

@@ -1,6 +1,7 @@
 """Servers that several test modules use, started once per session: a vLLM server start costs
-about 30 s of CPU on the CI host. A user leaves a shared server as it found it (resumed, awake,
-on its start-up weights); one that a test killed is started again on the next request."""
+about 30 s of CPU on the CI host, and start-ups side by side overlap their waits. A user leaves
+a shared server as it found it (resumed, awake, on its start-up weights); one that a test
+killed is started again on the next request."""
 
 from __future__ import annotations
 
@@ -11,20 +12,22 @@ from examples.plumbing import VLLMServer
 
 
 class SharedServers:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
+    """``makers``: name -> a function of the log path that builds the server (not started)."""
+
+    def __init__(self, log_dir: Path, makers: dict[str, Callable[[Path], VLLMServer]]) -> None:
+        self.log_dir, self.makers = log_dir, makers
         self._servers: dict[str, VLLMServer] = {}
 
-    def get(self, name: str, make: Callable[[Path], VLLMServer]) -> VLLMServer:
-        """The started server called ``name``; ``make(log_path)`` builds it on first use."""
+    def get(self, name: str) -> VLLMServer:
+        """The started server ``name``. The session's first request starts them all."""
+        if not self._servers:
+            self._start(list(self.makers))
         server = self._servers.get(name)
-        if server is not None and not server.is_healthy():
-            server.stop()
-            server = None
-        if server is None:
-            server = self._servers[name] = make(self.log_dir / f"{name}.log")
-            server.start()
-        return server
+        if server is None or not server.is_healthy():
+            if server is not None:
+                server.stop()
+            self._start([name])
+        return self._servers[name]
 
     def discard(self, server: VLLMServer) -> None:
         """Stop ``server`` (one a user could not leave as it found it); ``get`` starts anew."""
@@ -37,3 +40,11 @@ class SharedServers:
         for server in self._servers.values():
             server.stop()
         self._servers.clear()
+
+    def _start(self, names: list[str]) -> None:
+        servers = {n: self.makers[n](self.log_dir / f"{n}.log") for n in names}
+        self._servers.update(servers)
+        for server in servers.values():
+            server.start(wait=False)
+        for server in servers.values():
+            server.wait_healthy()
