@@ -23,6 +23,10 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     NPUIPCTrainerInitInfo,
 )
+from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
+    AscendRLNPUIPCTrainerWeightTransferEngine,
+)
+from vllm_ascend_rl.weight_transfer.trainer_side import WeightSyncError
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     WIRE_FIELDS,
@@ -141,3 +145,24 @@ def test_an_update_whose_plan_differs_is_refused_before_any_byte():
 
     (verdict, trainer_broken), engine_broken = run_ranks(2, body)
     assert verdict is Verdict.REFUSED and trainer_broken is None and engine_broken is None
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_the_trainers_init_choices_reach_the_engines_init_info(zero_copy):
+    """What ``trainer_init`` is given for the engine (wire parameters, ``zero_copy``) is in
+    the init info the trainer sends to ``/init_weight_transfer_engine``."""
+    sent: list[dict] = []
+
+    class Client:  # stands in for vLLM's client; the engine refuses, ending the init
+        def init_weight_transfer_engine(self, init_info: dict) -> None:
+            sent.append(init_info)
+            raise RuntimeError("refused by the test")
+
+    info = NPUIPCTrainerInitInfo(rank=0, zero_copy=zero_copy, timeout_s=7, packed=False)
+    with pytest.raises(WeightSyncError, match="refused by the test"):
+        AscendRLNPUIPCTrainerWeightTransferEngine.trainer_init(
+            info, client=Client(), source=types.SimpleNamespace()
+        )
+    (engine_info,) = sent
+    assert engine_info["zero_copy"] is zero_copy
+    assert (engine_info["timeout_s"], engine_info["packed"]) == (7, False)

@@ -192,6 +192,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
         worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
+            zero_copy=info.zero_copy,
             **wire_params(info),
         )
         acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
