@@ -15,44 +15,20 @@ HCCL_BACKEND = "ascend_rl_hccl"
 NPU_IPC_BACKEND = "ascend_rl_npu_ipc"
 CAMEM_BACKEND = "ascend_rl_camem"
 
-_WT_FACTORY = "vllm.distributed.weight_transfer.factory"
-_HCCL = "vllm_ascend_rl.weight_transfer.hccl"
-_HCCL_TRAINER = "vllm_ascend_rl.weight_transfer.hccl_trainer"
-_IPC = "vllm_ascend_rl.weight_transfer.npu_ipc"
-_IPC_TRAINER = "vllm_ascend_rl.weight_transfer.npu_ipc_trainer"
+_WT = "vllm.distributed.weight_transfer.factory"
+_ENGINE = (_WT, "WeightTransferEngineFactory", "register_engine")
+_TRAINER = (_WT, "WeightTransferTrainerFactory", "register_engine")
+_PKG = "vllm_ascend_rl.weight_transfer"
 
 # (factory module, factory class, register method, name, module, class)
 COMPONENTS: tuple[tuple[str, str, str, str, str, str], ...] = (
+    (*_ENGINE, HCCL_BACKEND, f"{_PKG}.hccl", "AscendRLHCCLWeightTransferEngine"),
+    (*_TRAINER, HCCL_BACKEND, f"{_PKG}.hccl_trainer", "AscendRLHCCLTrainerWeightTransferEngine"),
+    (*_ENGINE, NPU_IPC_BACKEND, f"{_PKG}.npu_ipc", "AscendRLNPUIPCWeightTransferEngine"),
     (
-        _WT_FACTORY,
-        "WeightTransferEngineFactory",
-        "register_engine",
-        HCCL_BACKEND,
-        _HCCL,
-        "AscendRLHCCLWeightTransferEngine",
-    ),
-    (
-        _WT_FACTORY,
-        "WeightTransferTrainerFactory",
-        "register_engine",
-        HCCL_BACKEND,
-        _HCCL_TRAINER,
-        "AscendRLHCCLTrainerWeightTransferEngine",
-    ),
-    (
-        _WT_FACTORY,
-        "WeightTransferEngineFactory",
-        "register_engine",
+        *_TRAINER,
         NPU_IPC_BACKEND,
-        _IPC,
-        "AscendRLNPUIPCWeightTransferEngine",
-    ),
-    (
-        _WT_FACTORY,
-        "WeightTransferTrainerFactory",
-        "register_engine",
-        NPU_IPC_BACKEND,
-        _IPC_TRAINER,
+        f"{_PKG}.npu_ipc_trainer",
         "AscendRLNPUIPCTrainerWeightTransferEngine",
     ),
     (

@@ -7,35 +7,24 @@
   ``/weight_checker``: 0.32 only; our backend and workers define ``discard`` either way.
 - ``/weight_checker``'s worker methods: in 0.32's GPU ``Worker``, not in vllm-ascend's
   ``NPUWorker`` (:func:`weight_checker_methods`).
-- ``stateless_init_torch_distributed_process_group(timeout=)``: not in 0.27.1; unused
-  (``device/group.py`` builds its own group).
 - ``/inference/v1/generate``: always on in 0.27.1, behind ``--enable-scale-out`` in 0.32; its
   ``weight_versions`` spans: 0.32 only.
-- ``/sleep?level=``: 0.32 refuses levels outside 0..2; 0.27.1 passes any on (our workers refuse).
-- Worker's sleep-backend accessor (0.27.1 ``_get_sleep_mode_backend()``, 0.32 property
-  ``sleep_mode_backend``): unused; both workers build ours with
-  ``SleepModeBackendFactory.create_backend``."""
+- ``/sleep?level=``: 0.32 refuses levels outside 0..2; 0.27.1 passes any on (our workers refuse)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from vllm.distributed.weight_transfer.base import WeightTransferEngine
-
-_ABSTRACT = getattr(WeightTransferEngine, "__abstractmethods__", frozenset())
-
 
 class EngineCompat:
     """Mixed into our worker-side engines, before vLLM's base class."""
 
-    if "trainer_send_weights" in _ABSTRACT:  # vLLM <= 0.27
-
-        @staticmethod
-        def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:
-            raise NotImplementedError(
-                "vllm_ascend_rl engines send from a trainer engine: use "
-                "WeightTransferTrainerFactory.trainer_init(...).send_weights()"
-            )
+    @staticmethod
+    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:  # abstract in <= 0.27
+        raise NotImplementedError(
+            "vllm_ascend_rl engines send from a trainer engine: use "
+            "WeightTransferTrainerFactory.trainer_init(...).send_weights()"
+        )
 
 
 WEIGHT_CHECKER_METHODS = ("compute_weight_checksums", "_weight_checksum_prefix", "reset_weights")

@@ -107,9 +107,7 @@ def test_poll_abandons_a_wait():
     assert run_ranks(2, body, timeout_s=30)[0] == "abandoned"
 
 
-def test_rank_outside_world_and_unreachable_master():
-    with pytest.raises(ValueError, match="outside world_size"):
-        BroadcastChannel.open(get_device("cpu"), "127.0.0.1", free_port(), 2, 2, 1)
+def test_unreachable_master_fails_within_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(ChannelError, match=r"rendezvous .* failed within 1s"):
         BroadcastChannel.open(get_device("cpu"), "127.0.0.1", free_port(), 1, 2, 1)

@@ -206,11 +206,3 @@ def workers_not_whole(engine_core: Any) -> str | None:
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
     """The same policy over vLLM's ``AsyncScheduler``; also correct under synchronous
     stepping (CPU), so one ``--scheduler-cls`` works on CPU and NPU."""
-
-
-__all__ = [
-    "BOUNCE_STOP_REASON",
-    "AsyncRecomputeScheduler",
-    "RecomputeScheduler",
-    "recompute_mode_from",
-]

@@ -8,15 +8,11 @@ import os
 from functools import cache
 from typing import TYPE_CHECKING
 
-from vllm_ascend_rl.device.base import (
+from vllm_ascend_rl.device.base import (  # noqa: F401 (re-exported)
     Device,
     ExportedBuffer,
-    GroupBackend,
     ImportedBuffer,
     IpcHandleError,
-    check_same_location,
-    host_identity,
-    ipc_buffer_id,
     worker_index,
 )
 
@@ -65,20 +61,3 @@ def device_for(torch_device: torch.device | str, cpu_chip: int = 0) -> Device:
     if not index:
         return current_device()
     return get_device(kind, int(index))
-
-
-__all__ = [
-    "Device",
-    "ExportedBuffer",
-    "GroupBackend",
-    "ImportedBuffer",
-    "IpcHandleError",
-    "check_same_location",
-    "current_device",
-    "device_for",
-    "device_kind",
-    "get_device",
-    "host_identity",
-    "ipc_buffer_id",
-    "worker_index",
-]

@@ -27,26 +27,6 @@ class IpcHandleError(ValueError):
     """An IPC handle is malformed, points nowhere, or belongs to another chip or host."""
 
 
-class ExportedBuffer:
-    """A staging buffer the trainer owns and shares; ``handle`` is plain JSON."""
-
-    def __init__(
-        self,
-        tensor: torch.Tensor,
-        handle: dict[str, Any],
-        unlink: Callable[[], None],
-        release: Callable[[], None],
-    ) -> None:
-        self.tensor: torch.Tensor | None = tensor
-        self.handle = handle
-        self.unlink = unlink  # unreachable for new importers; existing mappings stay valid
-        self._release = release
-
-    def close(self) -> None:
-        self.tensor = None  # drop our view first: a live view pins the mapping
-        self._release()
-
-
 class ImportedBuffer:
     """A trainer's staging buffer mapped into this process."""
 
@@ -55,8 +35,17 @@ class ImportedBuffer:
         self._release = release
 
     def close(self) -> None:
-        self.tensor = None
+        self.tensor = None  # drop our view first: a live view pins the mapping
         self._release()
+
+
+class ExportedBuffer(ImportedBuffer):
+    """A staging buffer the trainer owns and shares; ``handle`` is plain JSON; ``unlink`` makes
+    it unreachable for new importers (existing mappings stay valid)."""
+
+    def __init__(self, tensor, handle: dict[str, Any], unlink: Callable[[], None], release):
+        super().__init__(tensor, release)
+        self.handle, self.unlink = handle, unlink
 
 
 def ipc_buffer_id(segment: bytes, offset: int) -> str:

@@ -46,11 +46,8 @@ class CpuDevice(Device):
         self._queued.add(work, exec_timeout_s)
 
     def synchronize(self) -> None:
-        self._check_own_chip()
-        self._queued.drain()
-
-    def _check_own_chip(self) -> None:
         check_own_chip(self.index)
+        self._queued.drain()
 
     def location(self) -> dict[str, str]:
         return {**host_identity(), "chip": f"{self.kind}{host_chip(self.index)}"}
@@ -85,7 +82,7 @@ class CpuDevice(Device):
             dst.numpy()[:] = src.numpy()
 
     def memory_in_use(self) -> int:
-        self._check_own_chip()
+        check_own_chip(self.index)
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -100,11 +97,11 @@ class CpuDevice(Device):
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def read_device(self, addr: int, out: torch.Tensor) -> None:
-        self._check_own_chip()
+        check_own_chip(self.index)
         ctypes.memmove(out.data_ptr(), addr, out.numel() * out.element_size())
 
     def write_device(self, addr: int, src: torch.Tensor) -> None:
-        self._check_own_chip()
+        check_own_chip(self.index)
         ctypes.memmove(addr, src.data_ptr(), src.numel() * src.element_size())
 
     # -- IPC over POSIX shared memory ------------------------------------------------------

@@ -271,9 +271,6 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     return app
 
 
-__all__ = ["FANNED_OUT", "Completion", "Piece", "build_app", "is_data_plane", "main"]
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engines", required=True, help="comma-separated engine base URLs")

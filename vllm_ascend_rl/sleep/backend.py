@@ -13,13 +13,9 @@ class CaMemSleepBackend(SleepModeBackend):
     """Built by vLLM's factory in the worker's ``__init__``, before ``init_device``, so the
     allocator is looked up at first use, once the worker has made it for its device."""
 
-    def __init__(self, allocator: CaMemAllocator | None = None) -> None:
-        super().__init__()
-        self._allocator = allocator
-
     @property
     def allocator(self) -> CaMemAllocator:
-        return self._allocator or CaMemAllocator.get_instance()
+        return CaMemAllocator.get_instance()
 
     def suspend(self, level: int = 1) -> None:
         self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
@@ -32,7 +28,7 @@ class CaMemSleepBackend(SleepModeBackend):
 
     def state(self) -> str:
         """``RUNNING`` while every tag is resident (also before the allocator exists)."""
-        allocator = self._allocator or CaMemAllocator._instance
+        allocator = CaMemAllocator._instance
         if allocator is None or all(allocator.is_awake(t) for t in allocator.tags()):
             return "RUNNING"
         return "SUSPENDED"

@@ -4,6 +4,7 @@ to torch) are served from the sleep allocator, freed when the tensor's last view
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,10 +27,7 @@ class HostAllocationMode(TorchFunctionMode):
         shape = _servable_shape(func, args, kwargs)
         if shape is not None:
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
-            numel = 1
-            for d in shape:
-                numel *= d
-            nbytes = numel * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > 0:
                 alloc = self.allocator.allocate(nbytes, self.tag)  # zero-filled memory
                 flat = self.allocator.tensor(alloc, nbytes, owned=True)

@@ -4,6 +4,7 @@ chunk boundary travels on the wire; tensors are packed in metadata order at alig
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,15 +34,8 @@ class TensorSpec:
     shape: tuple[int, ...]
 
     @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -53,10 +47,6 @@ class Bucket:
     offsets: tuple[int, ...]
     nbytes: int
     oversized: bool = False  # one tensor larger than a bucket: sent from/into itself
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 def plan_buckets(
@@ -84,7 +74,7 @@ def plan_buckets(
             flush()
             buckets.append(Bucket(len(buckets), (spec,), (0,), spec.nbytes, oversized=True))
             continue
-        start = _align(end)
+        start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
         if cur and start + spec.nbytes > bucket_bytes:
             flush()
             start = 0

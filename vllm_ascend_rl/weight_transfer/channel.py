@@ -70,11 +70,6 @@ class BroadcastChannel:
     def open(
         cls, device: Device, host: str, port: int, rank: int, world_size: int, timeout_s: float
     ) -> BroadcastChannel:
-        if not 0 <= rank < world_size:
-            raise ValueError(
-                f"rank {rank} is outside world_size {world_size}: the world is "
-                "the trainer plus every engine worker"
-            )
         try:
             pg = open_group(device, host, port, rank, world_size, timeout_s)
         except Exception as e:

@@ -99,18 +99,9 @@ class Doorbell:
     def _readable(self, wait_s: float) -> bool:
         return bool(select.select([self.sock], [], [], wait_s)[0])
 
-    def expect(
-        self,
-        key: str,
-        value,
-        what: str,
-        poll: Poll | None = None,
-        stale: Callable[[dict], bool] | None = None,
-    ) -> dict:
-        """The next message, which must carry ``key=value``; drops those ``stale`` calls old."""
+    def expect(self, key: str, value, what: str, poll: Poll | None = None) -> dict:
+        """The next message, which must carry ``key=value``."""
         msg = self.recv(what, poll)
-        while stale is not None and msg.get(key) != value and stale(msg):
-            msg = self.recv(what, poll)
         if msg.get(key) != value:
             self._break(f"{what}: expected {key}={value!r} from the {self.peer}, got {msg}")
         return msg

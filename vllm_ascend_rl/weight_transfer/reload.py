@@ -39,11 +39,6 @@ class LayerwiseReload:
     def active(self) -> bool:
         return self.model is not None
 
-    @property
-    def backup_bytes(self) -> int:
-        """Host memory held to restore the old weights if this update fails."""
-        return sum(h.nbytes for b in self._backup.values() for _, h in b.tensors)
-
     def begin(
         self,
         model: torch.nn.Module,
@@ -53,8 +48,6 @@ class LayerwiseReload:
     ) -> None:
         """Open an update. ``keep_old`` takes a host copy of this worker's shard now, to restore
         on abort; MemoryError before any copy if the host cannot hold ``workers_on_host``."""
-        if self.active:
-            raise RuntimeError("a weight update is already in progress on this worker")
         initialize_layerwise_reload(model)
         self.model = model
         self._pending = [m for m in model.modules() if _expects_weights(m)]
@@ -70,13 +63,11 @@ class LayerwiseReload:
         logger.info(
             "weight update open (on_failure=restore): %.1f MiB of old weights copied to host "
             "memory in %.2f s, to restore them if the update fails",
-            self.backup_bytes / (1 << 20),
+            sum(h.nbytes for b in self._backup.values() for _, h in b.tensors) / (1 << 20),
             time.monotonic() - started,
         )
 
     def finish(self, model_config: ModelConfig) -> None:
-        if not self.active:
-            raise RuntimeError("no weight update in progress: call start_weight_update first")
         model, self.model = self.model, None
         self._pending, self._backup = [], {}
         finalize_layerwise_reload(model, model_config)

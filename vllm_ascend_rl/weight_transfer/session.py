@@ -141,7 +141,6 @@ class UpdateSession:
             disable_mtp_completeness_check,
         )
 
-        assert self.state is State.RECEIVING, self.state
         with disable_mtp_completeness_check():
             self.model.load_weights(unpack_views(buf, bucket))
 

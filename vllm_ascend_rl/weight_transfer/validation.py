@@ -131,8 +131,6 @@ def parse_specs(
 # How much of the model an update must carry (the ``validation`` wire parameter): "partial"
 # may omit whole layers (frozen modules keep their weights), never part of one; "complete"
 # refuses any missing checkpoint tensor. Both refuse unknown names, shapes and dtypes.
-VALIDATION = ("partial", "complete")
-DEFAULT_VALIDATION = "partial"
 
 
 def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None) -> str:
@@ -152,7 +150,7 @@ def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None)
 def validate_update(
     specs: Sequence[TensorSpec],
     expected: dict[str, ExpectedParam] | None,
-    validation: str = DEFAULT_VALIDATION,
+    validation: str = "partial",
     packed_modules: dict[str, list[str]] | None = None,
 ) -> None:
     """Raise WeightUpdateRefused naming the first parameter that does not fit the model."""
