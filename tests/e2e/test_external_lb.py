@@ -31,7 +31,11 @@ from tests.support import (
 )
 from tests.support.dead_engine import kill_mid_sync
 from tests.support.profile import trainer_env
-from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.rl_step import (
+    check_continuations,
+    pause_each_mid_generation,
+    swap_mid_generation,
+)
 from tests.support.router import running_router
 from tests.support.streams import settled
 from tests.support.trainer import TrainerProcess
@@ -98,25 +102,25 @@ def dead_url() -> str:
 
 
 def streams_on(engines, max_tokens: int = MAX_TOKENS, min_tokens: int = 4) -> list:
-    """Two streams per engine, admitted together (queued behind a pause), each with at least
-    ``min_tokens`` tokens. A short stream first warms each server's streaming path up."""
+    """Two streams per engine, all mid-way and running: admitted behind a pause, each engine
+    paused again by its own probe once its streams have ``min_tokens`` (a short run each, so
+    none is near ``max_tokens``), then one resume. A short stream first warms each server's
+    streaming path up."""
     for e in engines:
         warm = StreamingCompletion(e.url, "warm up", 4)
         warm.run()
     both = EngineControlClient([e.url for e in engines], timeout_s=60)
+    urls = [e.url for e in engines]
     streams = [
-        StreamingCompletion(e.url, f"Stream {i} on engine {j}:", max_tokens)
-        for j, e in enumerate(engines)
-        for i in range(2)
+        StreamingCompletion(urls[i % len(urls)], f"Stream {i}:", max_tokens) for i in range(4)
     ]
     both.pause("keep")
     for s in streams:
         s.start()
     time.sleep(0.5)
+    split, _ = pause_each_mid_generation(urls, streams, min_tokens, max_tokens)
+    assert all(min_tokens <= n < max_tokens // 2 for n in split), split
     both.resume()
-    deadline = time.monotonic() + 60
-    while min(s.num_tokens for s in streams) < min_tokens and time.monotonic() < deadline:
-        time.sleep(0.02)
     return streams
 
 
@@ -130,24 +134,24 @@ def finish(streams: list[StreamingCompletion], max_tokens: int = MAX_TOKENS) -> 
 def test_one_pause_stops_every_engine_and_one_resume_restarts_them(engines, ctl, v1_tokens):
     """Streams on both engines, one pause(keep) fanned out while every stream is mid-way, one
     second paused (nothing may arrive), one resume: every stream finishes with all its tokens."""
-    for _attempt in range(3):  # on a busy host one engine can finish before the other starts
-        streams = streams_on(engines)
-        t0 = time.perf_counter()
-        ctl.pause("keep")
-        pause_ms = (time.perf_counter() - t0) * 1e3
-        assert all(is_paused(e) for e in engines)
-        frozen = settled(lambda: [s.num_tokens for s in streams])  # noqa: B023
-        if max(frozen) < MAX_TOKENS:
-            break
-        ctl.resume()
-        finish(streams)
+    streams = streams_on(engines)  # each has more than MAX_TOKENS // 2 tokens to go
+    t0 = time.perf_counter()
+    ctl.pause("keep")
+    pause_ms = (time.perf_counter() - t0) * 1e3
+    assert all(is_paused(e) for e in engines)
+    frozen = settled(lambda: [s.num_tokens for s in streams])
     assert all(0 < n < MAX_TOKENS for n in frozen), frozen
     time.sleep(OBSERVE_S)
     assert [s.num_tokens for s in streams] == frozen, "tokens arrived while paused"
+    t1 = time.perf_counter()
     ctl.resume()
     finish(streams)
+    rest_s = time.perf_counter() - t1
     assert {s.url.removesuffix("/v1/completions") for s in streams} == {e.url for e in engines}
-    print(f"\npause(keep) fanned out to 2 engines mid-generation: {pause_ms:.0f} ms")
+    print(
+        f"\npause(keep) fanned out to 2 engines mid-generation: {pause_ms:.0f} ms, "
+        f"at {frozen} of {MAX_TOKENS} tokens; the rest took {rest_s:.1f} s"
+    )
 
 
 def test_an_is_paused_disagreement_is_reported(engines, ctl, router):

@@ -76,6 +76,41 @@ def _pause_with_tokens(
     return split, pause_ms
 
 
+def pause_each_mid_generation(
+    urls: Sequence[str],
+    streams: Sequence[StreamingCompletion],
+    min_tokens: int,
+    max_tokens: int,
+    *,
+    clear_cache: bool = True,
+    timeout_s: float = 300,
+) -> tuple[list[int], float]:
+    """Streams dealt round-robin over ``urls`` (``streams[i]`` on ``urls[i % len(urls)]``),
+    admitted behind a pause: resume each engine and pause it again (keep) once each of its
+    streams has ``min_tokens``, one thread per engine (engines on separate cores can run at very
+    different speeds on a busy host, and one slow engine must not delay another's pause).
+    Returns every stream's settled count and the slowest engine's last pause in ms."""
+    served = {u: [i for i in range(len(streams)) if urls[i % len(urls)] == u] for u in urls}
+    with ThreadPoolExecutor(len(urls)) as pool:
+        paused = {
+            u: pool.submit(
+                _pause_with_tokens,
+                u,
+                [streams[i] for i in served[u]],
+                min_tokens,
+                max_tokens,
+                clear_cache,
+                timeout_s,
+            )
+            for u in urls
+        }
+    split = [0] * len(streams)
+    for u, future in paused.items():
+        for i, n in zip(served[u], future.result()[0], strict=True):
+            split[i] = n
+    return split, max(f.result()[1] for f in paused.values())
+
+
 def swap_mid_generation(
     url: str | Sequence[str],
     sync: Callable[[], Any],
@@ -90,11 +125,9 @@ def swap_mid_generation(
 ) -> SwapOutcome:
     """Stream ``prompts``; pause(keep) once each has ``min_tokens``; ``sync()``; resume.
 
-    With several engines (``url`` a list, as behind an external load balancer) the streams
-    are dealt round-robin over them, each engine is resumed and paused by a thread of its own
-    (engines on separate cores can run at very different speeds on a busy host, and one slow
-    engine must not delay another's pause), and the resume fans out to all of them. A request
-    that finished before its engine's pause → resume and retry the round.
+    With several engines (``url`` a list, as behind an external load balancer) each is paused
+    on its own (``pause_each_mid_generation``) and the resume fans out to all of them. A
+    request that finished before its engine's pause → resume and retry the round.
     """
     urls = [url] if isinstance(url, str) else list(url)
     ctl = EngineControlClient(urls, timeout_s=timeout_s)
@@ -106,7 +139,6 @@ def swap_mid_generation(
         warm.start()
     for warm in warms:
         warm.join(timeout_s)
-    served = {u: [i for i in range(len(prompts)) if urls[i % len(urls)] == u] for u in urls}
     for attempt in range(attempts):
         streams = [
             StreamingCompletion(urls[i % len(urls)], p, max_tokens, model=model)
@@ -117,23 +149,9 @@ def swap_mid_generation(
         for s in streams:
             s.start()
         time.sleep(0.3)
-        with ThreadPoolExecutor(len(urls)) as pool:
-            paused = {
-                u: pool.submit(
-                    _pause_with_tokens,
-                    u,
-                    [streams[i] for i in served[u]],
-                    min_tokens,
-                    max_tokens,
-                    clear_cache,
-                    timeout_s,
-                )
-                for u in urls
-            }
-        split = [0] * len(prompts)
-        for u, future in paused.items():
-            for i, n in zip(served[u], future.result()[0], strict=True):
-                split[i] = n
+        split, pause_ms = pause_each_mid_generation(
+            urls, streams, min_tokens, max_tokens, clear_cache=clear_cache, timeout_s=timeout_s
+        )
         if max(split) >= max_tokens and attempt + 1 < attempts:
             ctl.resume()  # too late: a request already finished; retry
             for s in streams:
@@ -148,7 +166,6 @@ def swap_mid_generation(
         for s in streams:
             s.join(timeout_s)
         break
-    pause_ms = max(f.result()[1] for f in paused.values())
     out = SwapOutcome(streams, split, pause_ms, (t3 - t2) * 1e3, (t4 - t3) * 1e3, result)
     if during != split:
         out.problems.append(f"tokens arrived while paused: {split} at the pause, {during} after")
