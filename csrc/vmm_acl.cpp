@@ -1,9 +1,9 @@
 // ACL back end of vmm.h (CANN virtual memory) and the entry points torch_npu's
-// NPUPluggableAllocator calls. Built only with CANN; CI compiles it against acl_decls/ (a
-// verbatim subset of CANN 9.1.0's headers). Not yet run on Ascend hardware. Every ACL call and
-// argument is recorded, with the header and document it was checked against, in
-// docs/ascend-conformance.md. Errors are aclError codes: VmmError in vmm.py, a log line
-// in the entry points (vmm_entry.cpp); nothing throws across the C boundary.
+// NPUPluggableAllocator calls. Built only with CANN; CI compiles it against
+// tests/support/acl_decls/ (a verbatim subset of CANN 9.1.0's headers). Not yet run on
+// Ascend hardware. Every ACL call and argument is recorded, with the header and document it
+// was checked against, in docs/ascend-conformance.md. Errors are aclError codes: VmmError in
+// vmm.py, a log line in the entry points (vmm_entry.cpp); nothing throws across the C boundary.
 #include <acl/acl.h>
 #include <stdio.h>
 

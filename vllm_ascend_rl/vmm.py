@@ -135,12 +135,6 @@ def maps_zeroed(backend: str) -> bool:
     return bool(_backend(backend).contents.maps_zeroed)
 
 
-def granularity(backend: str, device: int = 0) -> int:
-    b, out = _backend(backend), c_size_t()
-    _check(b, "granularity", b.contents.granularity(device, ctypes.byref(out)))
-    return out.value
-
-
 def reserve(backend: str, size: int, device: int = 0) -> int:
     b, addr = _backend(backend), u64()
     _check(b, "reserve", b.contents.reserve(_u64(size), device, ctypes.byref(addr)))

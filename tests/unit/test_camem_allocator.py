@@ -215,7 +215,7 @@ def test_acl_back_end_compiles_against_the_declarations_header():
                 "-Werror",
                 "-DVLLM_ASCEND_RL_WITH_ACL=1",
                 f"-I{REPO / 'csrc'}",
-                f"-I{REPO / 'csrc' / 'acl_decls'}",
+                f"-I{REPO / 'tests' / 'support' / 'acl_decls'}",
                 str(REPO / "csrc" / source),
             ],
             capture_output=True,
@@ -223,4 +223,4 @@ def test_acl_back_end_compiles_against_the_declarations_header():
             timeout=120,
         )
         assert r.returncode == 0, f"{source}:\n{r.stderr}"
-    assert os.path.isfile(REPO / "csrc" / "acl_decls" / "acl" / "acl.h")
+    assert os.path.isfile(REPO / "tests" / "support" / "acl_decls" / "acl" / "acl.h")

@@ -33,7 +33,7 @@ class Vmm:
 
     def __getattr__(self, name):
         real = getattr(vmm, name)
-        if name in ("VmmError", "backends", "maps_zeroed", "granularity"):
+        if name in ("VmmError", "backends", "maps_zeroed"):
             return self.hooks.get(name, real)
 
         def call(*args):

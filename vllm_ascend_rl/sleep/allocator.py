@@ -115,7 +115,6 @@ class CaMemAllocator:
             keep_backups = os.environ.get("VLLM_ASCEND_RL_SLEEP_KEEP_BACKUPS", "1") != "0"
         self.keep_backups = keep_backups
         self._backups: dict[int, _Backup] = {}  # by address
-        self._granularity: dict[int, int] = {}
         self._lock = threading.RLock()
 
     @property
@@ -127,12 +126,6 @@ class CaMemAllocator:
         return get_device("cpu" if self.backend == "host" else "npu", index)
 
     # -- allocation ------------------------------------------------------------------
-    def granularity(self, device: int | None = None) -> int:
-        device = self.device_index if device is None else device
-        if device not in self._granularity:
-            self._granularity[device] = self._call("granularity", self.backend, device)
-        return self._granularity[device]
-
     @property
     def allocations(self) -> dict[int, Allocation]:
         """The table's entries of this back end by address, as read now."""
