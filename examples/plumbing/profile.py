@@ -49,6 +49,8 @@ class DeviceProfile:
     server_env: dict[str, str] = field(default_factory=dict)
     additional_config: dict = field(default_factory=dict)
     default_worker: str | None = None  # --worker-cls of a server that names none
+    # Added to the niceness of a server's engine processes (its API server's descendants).
+    engine_niceness: int = 0
 
     def chip_name(self, chip: int) -> str:
         """How NPU IPC names the ``chip``-th chip the tests use (``location()["chip"]``)."""
@@ -173,6 +175,10 @@ def current_profile() -> DeviceProfile:
         sleepable_worker=CPU_SLEEPABLE_WORKER,
         memory_fraction=MEMORY_FRACTION,
         default_worker=CPU_CHIP_WORKER,
+        # A CPU engine core decodes the tiny models in a busy loop; on a small host its API
+        # server would then fall seconds behind it (tokens, and the answers to /pause and
+        # /resume), so the engine runs on after a pause is sent. The API server comes first.
+        engine_niceness=10,
     )
 
 

@@ -9,6 +9,7 @@ runs on chips of its own while it is started (see ``profile``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import requests
 
 from .profile import current_profile
@@ -162,6 +164,14 @@ class VLLMServer:
             self.wait_healthy()
         return self
 
+    def _renice_engine(self) -> None:
+        """Lower the priority of the engine processes (``profile.engine_niceness``)."""
+        if not self.profile.engine_niceness:
+            return
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.nice(child.nice() + self.profile.engine_niceness)
+
     def log_tail(self, lines: int = 60) -> str:
         try:
             text = self.log_path.read_text(errors="replace").splitlines()
@@ -189,6 +199,8 @@ class VLLMServer:
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             if self.is_healthy():
+                if not self.came_up:
+                    self._renice_engine()
                 self.came_up = True
                 return
             time.sleep(0.5)
