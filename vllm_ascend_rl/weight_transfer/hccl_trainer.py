@@ -38,12 +38,7 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     check_world_size,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import (
-    Verdict,
-    plan_signature,
-    wire_params,
-    wire_signature,
-)
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
 
 
 class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):

@@ -28,11 +28,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
-from vllm_ascend_rl.weight_transfer.engine_side import (
-    check_init,
-    engine_setup,
-    refused,
-)
+from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup, refused
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,

@@ -54,12 +54,7 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     WeightSyncError,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import (
-    Verdict,
-    plan_signature,
-    wire_params,
-    wire_signature,
-)
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
 
 logger = get_logger(__name__)
 

@@ -113,9 +113,7 @@ class LayerwiseReload:
         self.finish(model_config)
         if restored or kept:
             logger.warning(
-                "weight update aborted: %d layer(s) restored, %d keep new weights",
-                restored,
-                kept,
+                "weight update aborted: %d layer(s) restored, %d keep new weights", restored, kept
             )
         return restored, kept
 
