@@ -40,7 +40,7 @@ def _safetensors_params(model_dir: str) -> dict[str, tuple[torch.dtype, tuple[in
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = f.get_slice(name)
-                out[name] = (_dtype_from_safetensors(sl.get_dtype()), tuple(sl.get_shape()))
+                out[name] = (_ST_DTYPES.get(sl.get_dtype(), torch.uint8), tuple(sl.get_shape()))
     return out
 
 
@@ -58,10 +58,6 @@ _ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-
-
-def _dtype_from_safetensors(name: str) -> torch.dtype:
-    return _ST_DTYPES.get(name, torch.uint8)
 
 
 def _meta_model_params(hf_config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -128,11 +124,6 @@ def parse_specs(
     return specs
 
 
-# How much of the model an update must carry (the ``validation`` wire parameter): "partial"
-# may omit whole layers (frozen modules keep their weights), never part of one; "complete"
-# refuses any missing checkpoint tensor. Both refuse unknown names, shapes and dtypes.
-
-
 def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None) -> str:
     """The serving layer a checkpoint tensor loads into, by name: vLLM fuses modules
     (``packed_modules_mapping``: q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and an MoE
@@ -153,7 +144,9 @@ def validate_update(
     validation: str = "partial",
     packed_modules: dict[str, list[str]] | None = None,
 ) -> None:
-    """Raise WeightUpdateRefused naming the first parameter that does not fit the model."""
+    """Raise WeightUpdateRefused naming the first parameter that does not fit the model.
+    ``validation="partial"`` may omit whole layers (frozen modules keep their weights), never
+    part of one; ``"complete"`` refuses any missing checkpoint tensor."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
