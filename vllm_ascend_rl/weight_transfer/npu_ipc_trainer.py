@@ -306,7 +306,10 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         sender = self.peers[0]
         try:
-            self.update_id = self._next_update(sender)
+            msg = sender.recv("waiting for the sender's next update")
+            if "update" not in msg:
+                raise WeightSyncError(f"unexpected message from the sender: {msg}")
+            self.update_id = int(msg["update"])
             sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
             watch = self._watch(sender)
             replies = self._ready(plan, watch)
@@ -323,12 +326,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         except BaseException:
             self.abort()
             raise
-
-    def _next_update(self, sender: Doorbell) -> int:
-        msg = sender.recv("waiting for the sender's next update")
-        if "update" not in msg:
-            raise WeightSyncError(f"unexpected message from the sender: {msg}")
-        return int(msg["update"])
 
     def _watch(self, sender: Doorbell) -> Poll:
         """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""

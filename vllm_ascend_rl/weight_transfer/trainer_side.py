@@ -114,9 +114,6 @@ class BackgroundCall:
         finally:
             self._done.set()
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)
 
