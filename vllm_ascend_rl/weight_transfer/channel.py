@@ -23,15 +23,6 @@ Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed
 POLL_GRACE_S = 2.0  # how long a collective may trail the peer's HTTP answer
 
 
-def _completes_within(work, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
 def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Exception | None:
     """Wait until ``work`` completes or ``deadline``; ``poll`` runs while waiting. Returns the
     poll's error if the work completed only after the poll failed."""
@@ -43,8 +34,11 @@ def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Except
             except Exception as e:
                 # The peer's HTTP answer can overtake its side of this collective (done, then
                 # the call fails): give the collective a moment so a refusal ends in step.
-                if not _completes_within(work, POLL_GRACE_S):
-                    raise
+                grace = time.monotonic() + POLL_GRACE_S
+                while not work.is_completed():
+                    if time.monotonic() > grace:
+                        raise
+                    time.sleep(0.001)
                 return e
         if time.monotonic() > deadline:
             raise TimeoutError(f"no progress within timeout_s={timeout_s:.0f}s")
