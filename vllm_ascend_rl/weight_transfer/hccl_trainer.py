@@ -78,9 +78,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         return send_update(self, weight_version)
 
     def shutdown(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        self.abort()
+        self.channel = None
 
     def _connect(self) -> BroadcastChannel:
         info = self.init_info

@@ -47,14 +47,6 @@ class SyncResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-NOT_PAUSED = (
-    "the engine is not paused: pause it before send_weights (/pause, "
-    "EngineControlClient.pause) and resume after. A forward pass during an update would run "
-    "on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; vllm-ascend's "
-    "ACL graphs) no hook can stop it. Nothing was sent."
-)
-
-
 def engine_paused(client: Any) -> bool | None:
     """Whether the engine is paused (``client.is_paused()``, else ``/is_paused``), or None."""
     ask = getattr(client, "is_paused", None)
@@ -270,7 +262,12 @@ def require_paused(client: Any) -> None:
     if paused is None:
         logger.warning("cannot tell whether %s is paused: pause it first", engine_name(client))
     elif not paused:
-        raise WeightSyncError(NOT_PAUSED)
+        raise WeightSyncError(
+            "the engine is not paused: pause it before send_weights (/pause, "
+            "EngineControlClient.pause) and resume after. A forward pass during an update would "
+            "run on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; "
+            "vllm-ascend's ACL graphs) no hook can stop it. Nothing was sent."
+        )
 
 
 def start_update(client: Any) -> None:
