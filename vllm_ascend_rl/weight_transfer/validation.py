@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_name
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_from_name, dtype_name
 
 logger = get_logger(__name__)
 
@@ -60,14 +60,6 @@ _ST_DTYPES = {
 }
 
 
-def _meta_model_params(hf_config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
-
-
 def expected_params(model_config) -> dict[str, ExpectedParam] | None:
     """Checkpoint-format parameters of the served model, or None if they cannot be known."""
     source = model_config.model
@@ -76,7 +68,11 @@ def expected_params(model_config) -> dict[str, ExpectedParam] | None:
         params = _safetensors_params(source)
     if not params:
         try:
-            params = _meta_model_params(model_config.hf_config)
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):  # the architecture, without allocating its weights
+                model = AutoModelForCausalLM.from_config(model_config.hf_config)
+            params = {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
         except Exception as e:  # unknown architecture: validate what we can
             logger.warning(
                 "cannot derive checkpoint parameters of %s (%s); weight updates "
@@ -99,8 +95,6 @@ def parse_specs(
     names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
 ) -> list[TensorSpec]:
     """Wire metadata -> specs; WeightUpdateRefused on malformed input."""
-    from vllm_ascend_rl.weight_transfer.buckets import dtype_from_name
-
     if not (len(names) == len(dtype_names) == len(shapes)):
         raise WeightUpdateRefused(
             f"names, dtype_names and shapes differ in length: {len(names)}, "
