@@ -4,9 +4,7 @@ functions below "vLLM's engine methods" by name and keeps its state in an ``Upda
 A transport provides ``init_transfer_engine`` and four steps: ``require_connected()``;
 ``agree(verdict, reason, plan, info)``, the handshake, which raises unless every side goes
 ahead; ``buckets(plan)``, yielding ``(bucket, uint8 buffer)``; ``disconnect()``, called first
-when bytes may be out of step. :func:`receive_weights` is one update: ``session.receive``,
-:func:`vet_update` (nothing loaded yet), ``agree``, ``session.load`` per bucket,
-``session.loaded``; on any failure :func:`update_weights` ends it, saying what the model holds."""
+when bytes may be out of step."""
 
 from __future__ import annotations
 
@@ -82,13 +80,9 @@ def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused
     """The refusal an update handshake's outcome means for this engine, or None to go on."""
     if verdict == Verdict.GO and same:
         return None
-    if reason is None:
-        reason = (
-            "the trainer's plan differs from update_info"
-            if verdict == Verdict.GO
-            else "another side refused it"
-        )
-    return WeightUpdateRefused(reason)
+    if reason is None and verdict == Verdict.GO:
+        reason = "the trainer's plan differs from update_info"
+    return WeightUpdateRefused("another side refused it" if reason is None else reason)
 
 
 def load_buckets(
