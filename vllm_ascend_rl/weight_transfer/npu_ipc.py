@@ -124,12 +124,11 @@ class AscendRLNPUIPCWeightTransferEngine(
         doorbell.send(hello=rank, wire=wire_signature(init_info, None), location=here)
         try:
             reply = doorbell.recv("init handshake")
+            if not reply.get("welcome"):
+                raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         except Exception:
             doorbell.close()
             raise
-        if not reply.get("welcome"):
-            doorbell.close()
-            raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         # Only now: a failed init leaves the live connection alone.
         self.session.reconnect(
             init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
