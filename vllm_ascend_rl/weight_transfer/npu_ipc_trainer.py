@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Self
 
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -61,8 +62,6 @@ logger = get_logger(__name__)
 
 def gather_ranks(obj: Any) -> list[Any]:
     """``obj`` of every trainer rank (a collective on the default group; ``[obj]`` without)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -178,9 +177,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         info = self.init_info
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
-        ranks = gather_ranks(
-            {"rank": info.rank, "chip": here["chip"], "doorbell": listener.address}
-        )
+        ranks = gather_ranks({"rank": info.rank, "chip": self.chip, "doorbell": listener.address})
         chips = [r["chip"] for r in ranks]
         if len(set(chips)) != len(chips):
             listener.close()

@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
@@ -55,8 +57,6 @@ def engine_paused(client: Any) -> bool | None:
     base_url = getattr(client, "base_url", None)
     if not base_url:
         return None
-    from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-
     try:
         return EngineControlClient(base_url, timeout_s=30).is_paused()
     except EngineControlError as e:
@@ -67,11 +67,7 @@ def server_message(e: BaseException) -> str:
     """The most useful text of an exception from a weight-sync client call."""
     response = getattr(e, "response", None)
     if response is not None:
-        from vllm_ascend_rl.client import error_message
-
         return f"HTTP {response.status_code}: {error_message(response)}"
-    import requests
-
     if isinstance(e, requests.ConnectionError):
         return f"the engine's server is unreachable or died ({type(e).__name__}: {e})"
     return f"{type(e).__name__}: {e}"
@@ -133,8 +129,6 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
     base_url = getattr(client, "base_url", None)
     if not base_url:
         return
-    import requests
-
     try:
         r = requests.get(
             f"{base_url}/get_world_size", params={"include_dp": "true"}, timeout=timeout_s
