@@ -49,20 +49,6 @@ class SyncResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-def engine_paused(client: Any) -> bool | None:
-    """Whether the engine is paused (``client.is_paused()``, else ``/is_paused``), or None."""
-    ask = getattr(client, "is_paused", None)
-    if callable(ask):
-        return ask()
-    base_url = getattr(client, "base_url", None)
-    if not base_url:
-        return None
-    try:
-        return EngineControlClient(base_url, timeout_s=30).is_paused()
-    except EngineControlError as e:
-        raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
-
-
 def server_message(e: BaseException) -> str:
     """The most useful text of an exception from a weight-sync client call."""
     response = getattr(e, "response", None)
@@ -118,8 +104,7 @@ class BackgroundCall:
 
     def failure(self, timeout_s: float) -> str | None:
         """Wait for the call to end; its error message, or None if it succeeded."""
-        self._done.wait(timeout_s)
-        if not self._done.is_set():
+        if not self._done.wait(timeout_s):
             return f"{self.what} did not return within {timeout_s:.0f}s"
         return None if self.error is None else server_message(self.error)
 
@@ -250,9 +235,17 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
 
 
 def require_paused(client: Any) -> None:
-    """Refuse to open an update while the engine generates: the engine's forward guard is a
-    Python hook, which graph replay bypasses."""
-    paused = engine_paused(client)
+    """Refuse to open an update while the engine generates (``client.is_paused()``, else
+    ``/is_paused``): the engine's forward guard is a Python hook, which graph replay bypasses."""
+    ask, base_url = getattr(client, "is_paused", None), getattr(client, "base_url", None)
+    paused = None
+    if callable(ask):
+        paused = ask()
+    elif base_url:
+        try:
+            paused = EngineControlClient(base_url, timeout_s=30).is_paused()
+        except EngineControlError as e:
+            raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
     if paused is None:
         logger.warning("cannot tell whether %s is paused: pause it first", engine_name(client))
     elif not paused:
