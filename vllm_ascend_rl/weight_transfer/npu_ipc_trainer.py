@@ -308,15 +308,14 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                 raise WeightSyncError(f"unexpected message from the sender: {msg}")
             self.update_id = int(msg["update"])
             sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
-            watch = self._watch(sender)
-            replies = self._ready(plan, watch)
+            replies = self._ready(plan, self._watch)
             verdict, reason = _lowest(replies)
             sender.send(ready=self.update_id, verdict=int(verdict), error=reason)
             go = sender.expect("go", self.update_id, "waiting for the sender's verdict")
             self._go(replies, Verdict(go["verdict"]), go.get("reason"))
             if go["verdict"] != Verdict.GO:
                 return
-            self._stream(plan, iter(self.source), watch)
+            self._stream(plan, iter(self.source), self._watch)
             sender.send(sent=self.update_id)
         except _Cancelled:
             return
@@ -324,17 +323,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             self.abort()
             raise
 
-    def _watch(self, sender: Doorbell) -> Poll:
+    def _watch(self) -> None:
         """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""
-
-        def poll() -> None:
-            msg = sender.pending("watching the sender")
-            if msg is not None and "cancel" in msg:
-                raise _Cancelled(msg.get("reason"))
-            if msg is not None:
-                raise WeightSyncError(f"unexpected message from the sender: {msg}")
-
-        return poll
+        msg = self.peers[0].pending("watching the sender")
+        if msg is not None and "cancel" in msg:
+            raise _Cancelled(msg.get("reason"))
+        if msg is not None:
+            raise WeightSyncError(f"unexpected message from the sender: {msg}")
 
     # -- shared by every rank -------------------------------------------------------------
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
