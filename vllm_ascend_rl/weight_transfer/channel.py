@@ -75,7 +75,6 @@ class BroadcastChannel:
             ) from e
         return cls(pg, device, rank, world_size, timeout_s)
 
-    # -- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor):
         """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
         self._check()

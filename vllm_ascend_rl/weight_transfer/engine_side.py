@@ -43,8 +43,7 @@ def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSessi
     refusal = hw.weight_update_refusal()
     if refusal:
         raise ValueError(refusal)
-    session = UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
-    return hw, session
+    return hw, UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
 
 
 def check_init(vllm_config: Any, wire: WireParams) -> None:

@@ -118,9 +118,8 @@ class AscendRLHCCLWeightTransferEngine(
             init_info.timeout_s,
         )
         try:
-            _, same = channel.agree(
-                Verdict.GO, wire_signature(init_info, DIRECT_BYTES), "init handshake"
-            )
+            sig = wire_signature(init_info, DIRECT_BYTES)
+            _, same = channel.agree(Verdict.GO, sig, "init handshake")
             if not same:
                 raise ValueError(
                     "trainer and engine disagree on the weight-transfer protocol or wire "

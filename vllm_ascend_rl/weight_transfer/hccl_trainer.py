@@ -111,12 +111,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             init_call.raise_if_failed()
         channel = opening.result(0)
         try:
-            _, same = channel.agree(
-                Verdict.GO,
-                wire_signature(info, DIRECT_BYTES),
-                "init handshake",
-                init_call.raise_if_failed,
-            )
+            sig = wire_signature(info, DIRECT_BYTES)
+            _, same = channel.agree(Verdict.GO, sig, "init handshake", init_call.raise_if_failed)
             if not same:
                 raise WeightSyncError(
                     f"engine rejected the wire parameters: {init_call.failure(info.timeout_s)}"
