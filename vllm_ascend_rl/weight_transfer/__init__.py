@@ -1,4 +1,2 @@
-"""Weight-transfer engines on vLLM's weight-transfer API: HCCL (broadcast) and NPU-IPC.
-
-Submodules are imported lazily by vLLM's factories; importing this package loads nothing heavy.
-"""
+"""Weight-transfer engines on vLLM's weight-transfer API: HCCL (broadcast) and NPU-IPC. vLLM's
+factories import the submodules lazily; importing this package loads nothing heavy."""

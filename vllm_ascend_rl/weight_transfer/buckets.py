@@ -137,18 +137,14 @@ def iter_bucket_tensors(
                 raise ValueError(
                     f"weight source ended early: expected {spec.name!r} next"
                 ) from None
-            check_tensor(spec, name, t)
+            if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                raise ValueError(
+                    f"weight source disagrees with its metadata: declared {spec.name!r} "
+                    f"{dtype_name(spec.dtype)}{list(spec.shape)}, got {name!r} "
+                    f"{dtype_name(t.dtype)}{list(t.shape)}"
+                )
             tensors.append(t)
         yield bucket, tensors
     extra = next(pairs, None)
     if extra is not None:
         raise ValueError(f"weight source yielded {extra[0]!r} beyond its declared metadata")
-
-
-def check_tensor(spec: TensorSpec, name: str, t: torch.Tensor) -> None:
-    if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
-        raise ValueError(
-            f"weight source disagrees with its metadata: declared {spec.name!r} "
-            f"{dtype_name(spec.dtype)}{list(spec.shape)}, got {name!r} "
-            f"{dtype_name(t.dtype)}{list(t.shape)}"
-        )

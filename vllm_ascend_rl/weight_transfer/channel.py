@@ -23,19 +23,10 @@ Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed
 POLL_GRACE_S = 2.0  # how long a collective may trail the peer's HTTP answer
 
 
-def _completes_within(work, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-    return True
-
-
-def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Exception | None:
-    """Wait until ``work`` completes or ``deadline``; ``poll`` runs while waiting. Returns the
-    poll's error if the work completed only after the poll failed."""
-    pause = 0.0
+def _await(work, timeout_s: float, poll: Poll | None) -> Exception | None:
+    """Wait until ``work`` completes, at most ``timeout_s``; ``poll`` runs while waiting.
+    Returns the poll's error if the work completed only after the poll failed."""
+    deadline, pause = time.monotonic() + timeout_s, 0.0
     while not work.is_completed():
         if poll is not None:
             try:
@@ -43,8 +34,11 @@ def _await(work, deadline: float, timeout_s: float, poll: Poll | None) -> Except
             except Exception as e:
                 # The peer's HTTP answer can overtake its side of this collective (done, then
                 # the call fails): give the collective a moment so a refusal ends in step.
-                if not _completes_within(work, POLL_GRACE_S):
-                    raise
+                grace = time.monotonic() + POLL_GRACE_S
+                while not work.is_completed():
+                    if time.monotonic() > grace:
+                        raise
+                    time.sleep(0.001)
                 return e
         if time.monotonic() > deadline:
             raise TimeoutError(f"no progress within timeout_s={timeout_s:.0f}s")
@@ -81,7 +75,6 @@ class BroadcastChannel:
             ) from e
         return cls(pg, device, rank, world_size, timeout_s)
 
-    # -- collectives -----------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor):
         """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
         self._check()
@@ -96,11 +89,9 @@ class BroadcastChannel:
 
     def wait(self, work, what: str, poll: Poll | None = None) -> None:
         """Wait for ``work`` within ``timeout_s``, calling ``poll`` while waiting."""
-        now = time.monotonic()
-        deadline = now + self.timeout_s
-        started = self._started.pop(id(work), now)
+        started = self._started.pop(id(work), time.monotonic())
         try:
-            polled = _await(work, deadline, self.timeout_s, poll)
+            polled = _await(work, self.timeout_s, poll)
             try:
                 work.wait()
                 # With our group's watchdog off (NPU), an HCCL error need not raise in wait():

@@ -4,9 +4,7 @@ functions below "vLLM's engine methods" by name and keeps its state in an ``Upda
 A transport provides ``init_transfer_engine`` and four steps: ``require_connected()``;
 ``agree(verdict, reason, plan, info)``, the handshake, which raises unless every side goes
 ahead; ``buckets(plan)``, yielding ``(bucket, uint8 buffer)``; ``disconnect()``, called first
-when bytes may be out of step. :func:`receive_weights` is one update: ``session.receive``,
-:func:`vet_update` (nothing loaded yet), ``agree``, ``session.load`` per bucket,
-``session.loaded``; on any failure :func:`update_weights` ends it, saying what the model holds."""
+when bytes may be out of step."""
 
 from __future__ import annotations
 
@@ -32,15 +30,6 @@ from vllm_ascend_rl.weight_transfer.wire import (
     plan_for,
 )
 
-# vllm-ascend v0.22-v0.26 (and tag v0.23.0) run layerwise reload in the worker and call
-# receive_weights(info, load_weights=...), never our start/finish (lifecycle: main 9eabafb0c8).
-LEGACY_WORKER = (
-    "this vllm-ascend release calls receive_weights(info, load_weights=...) and never "
-    "start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's engines need "
-    "vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align weight transfer "
-    "lifecycle with vLLM (#12876)'). No weight was loaded."
-)
-
 
 class TransferFailed(RuntimeError):
     """Bytes stopped arriving mid-update; the connection is gone."""
@@ -54,8 +43,7 @@ def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSessi
     refusal = hw.weight_update_refusal()
     if refusal:
         raise ValueError(refusal)
-    session = UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
-    return hw, session
+    return hw, UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
 
 
 def check_init(vllm_config: Any, wire: WireParams) -> None:
@@ -73,51 +61,27 @@ def check_init(vllm_config: Any, wire: WireParams) -> None:
         )
 
 
-def check_receive_call(legacy: dict[str, Any]) -> None:
-    if "load_weights" in legacy:
-        raise RuntimeError(LEGACY_WORKER)
-    if legacy:
-        raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
-
-
 def vet_update(
     engine: Any, info: CheckpointUpdateInfo, wire: WireParams
 ) -> tuple[Verdict, str | None]:
     """The engine's verdict on an update's metadata, and the reason if it is not GO."""
+    if not hasattr(engine, "_expected"):  # the model's checkpoint parameters, read once
+        engine._expected = expected_params(engine.model_config)
     try:
         packed_modules = getattr(engine.model, "packed_modules_mapping", None)
-        validate_update(info.specs, expected_for(engine), wire.validation, packed_modules)
+        validate_update(info.specs, engine._expected, wire.validation, packed_modules)
     except WeightUpdateRefused as e:
         return Verdict.REFUSED, str(e)
     return Verdict.GO, None
-
-
-def expected_for(engine: Any):
-    """The model's checkpoint parameters, read once per engine."""
-    if not hasattr(engine, "_expected"):
-        engine._expected = expected_params(engine.model_config)
-    return engine._expected
 
 
 def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused | None:
     """The refusal an update handshake's outcome means for this engine, or None to go on."""
     if verdict == Verdict.GO and same:
         return None
-    if reason is None:
-        reason = (
-            "the trainer's plan differs from update_info"
-            if verdict == Verdict.GO
-            else "another side refused it"
-        )
-    return WeightUpdateRefused(reason)
-
-
-def _ended(session: UpdateSession, e: BaseException) -> BaseException:
-    """End the update ``e`` failed; the error to raise instead, saying what the model holds."""
-    state = session.fail()
-    if isinstance(e, ValueError):  # refusals and malformed calls: nothing was loaded
-        return WeightUpdateRefused(f"refused weight update, {state}: {e}")
-    return type(e)(f"{e}; {state}") if isinstance(e, RuntimeError) else e
+    if reason is None and verdict == Verdict.GO:
+        reason = "the trainer's plan differs from update_info"
+    return WeightUpdateRefused("another side refused it" if reason is None else reason)
 
 
 def load_buckets(
@@ -163,15 +127,29 @@ def finish_weight_update(engine: Any) -> None:
 
 
 def update_weights(engine: Any, update_info: Any) -> None:
-    """vLLM's parse-receive-synchronize; any failure ends the update (old weights back)."""
+    """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
+    its error says what the model holds now."""
     try:
         WeightTransferEngine.update_weights(engine, update_info)
     except Exception as e:
-        raise _ended(engine.session, e) from e
+        state = engine.session.fail()
+        if isinstance(e, ValueError):  # refusals and malformed calls: nothing was loaded
+            raise WeightUpdateRefused(f"refused weight update, {state}: {e}") from e
+        if isinstance(e, RuntimeError):
+            raise type(e)(f"{e}; {state}") from e
+        raise
 
 
 def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: Any) -> None:
-    check_receive_call(legacy)
+    if "load_weights" in legacy:  # vllm-ascend v0.22-v0.26 and tag v0.23.0
+        raise RuntimeError(
+            "this vllm-ascend release calls receive_weights(info, load_weights=...) and never "
+            "start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's engines "
+            "need vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align weight "
+            "transfer lifecycle with vLLM (#12876)'). No weight was loaded."
+        )
+    if legacy:
+        raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
     engine.require_connected()
     engine.session.receive(update_info.weight_version)
     verdict, reason = vet_update(engine, update_info, engine.init_info)

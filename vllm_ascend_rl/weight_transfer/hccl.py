@@ -118,18 +118,16 @@ class AscendRLHCCLWeightTransferEngine(
             init_info.timeout_s,
         )
         try:
-            _, same = channel.agree(
-                Verdict.GO, wire_signature(init_info, DIRECT_BYTES), "init handshake"
-            )
-        except ChannelError:
+            sig = wire_signature(init_info, DIRECT_BYTES)
+            _, same = channel.agree(Verdict.GO, sig, "init handshake")
+            if not same:
+                raise ValueError(
+                    "trainer and engine disagree on the weight-transfer protocol or wire "
+                    f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
+                )
+        except Exception:
             channel.close()
             raise
-        if not same:
-            channel.close()
-            raise ValueError(
-                "trainer and engine disagree on the weight-transfer protocol or wire "
-                f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
-            )
         self.session.reconnect(
             init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
         )

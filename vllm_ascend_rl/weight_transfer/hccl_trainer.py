@@ -38,12 +38,7 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     check_world_size,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import (
-    Verdict,
-    plan_signature,
-    wire_params,
-    wire_signature,
-)
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
 
 
 class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
@@ -83,9 +78,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         return send_update(self, weight_version)
 
     def shutdown(self) -> None:
-        if self.channel is not None:
-            self.channel.close()
-            self.channel = None
+        self.abort()
+        self.channel = None
 
     def _connect(self) -> BroadcastChannel:
         info = self.init_info
@@ -117,12 +111,8 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             init_call.raise_if_failed()
         channel = opening.result(0)
         try:
-            _, same = channel.agree(
-                Verdict.GO,
-                wire_signature(info, DIRECT_BYTES),
-                "init handshake",
-                init_call.raise_if_failed,
-            )
+            sig = wire_signature(info, DIRECT_BYTES)
+            _, same = channel.agree(Verdict.GO, sig, "init handshake", init_call.raise_if_failed)
             if not same:
                 raise WeightSyncError(
                     f"engine rejected the wire parameters: {init_call.failure(info.timeout_s)}"
@@ -151,7 +141,12 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
         piece = self.init_info.packed_buffer_size_bytes
-        staging = self._staging_buffers(plan, depth)
+        need = max((b.nbytes for b in plan if not b.oversized), default=0)
+        if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
+            self._staging = [
+                torch.empty(need, dtype=torch.uint8, device=self.hw.torch_device())
+                for _ in range(depth)
+            ]
         # (bucket, work, the bytes it sends: alive until it is done, staging slot or None)
         in_flight: deque = deque()
         poll = update.raise_if_failed
@@ -167,7 +162,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             else:
                 while any(entry[3] == slot for entry in in_flight):  # free before reuse
                     oldest_done()
-                send = staging[slot][: bucket.nbytes]
+                send = self._staging[slot][: bucket.nbytes]  # kept unless a bucket outgrows it
                 # No synchronize: the collective's stream waits for the current stream,
                 # where the pack was queued (torch_npu ProcessGroupHCCL.cpp:267-279), and a
                 # device-wide sync would also wait for the broadcast in flight.
@@ -193,12 +188,3 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
         for _ in self.source:  # keeps this rank in the source's gather collectives
             pass
-
-    def _staging_buffers(self, plan: list[Bucket], depth: int) -> list[torch.Tensor]:
-        need = max((b.nbytes for b in plan if not b.oversized), default=0)
-        if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
-            self._staging = [
-                torch.empty(need, dtype=torch.uint8, device=self.hw.torch_device())
-                for _ in range(depth)
-            ]
-        return self._staging

@@ -28,11 +28,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
-from vllm_ascend_rl.weight_transfer.engine_side import (
-    check_init,
-    engine_setup,
-    refused,
-)
+from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup, refused
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,
@@ -128,12 +124,11 @@ class AscendRLNPUIPCWeightTransferEngine(
         doorbell.send(hello=rank, wire=wire_signature(init_info, None), location=here)
         try:
             reply = doorbell.recv("init handshake")
+            if not reply.get("welcome"):
+                raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         except Exception:
             doorbell.close()
             raise
-        if not reply.get("welcome"):
-            doorbell.close()
-            raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
         # Only now: a failed init leaves the live connection alone.
         self.session.reconnect(
             init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
@@ -216,21 +211,18 @@ class AscendRLNPUIPCWeightTransferEngine(
                 doorbell.expect("bucket", bucket.index, f"waiting for bucket {bucket.index}")
                 slot = ring[received % len(ring)]
                 received += 1
-                if whole is not None:
-                    self.hw.copy_bytes(whole[start : start + n], slot.tensor[:n])
-                    self.hw.synchronize()
-                    doorbell.send(done=bucket.index)
-                elif self.init_info.zero_copy:
+                if whole is None and self.init_info.zero_copy:
                     # Load straight from the trainer's buffer; before handing it back, copy
                     # out only what layerwise reload still holds (tensors of incomplete layers).
                     yield bucket, slot.tensor[:n]
                     self._hand_back(slot)
                     doorbell.send(done=bucket.index)
-                else:
-                    out = self.session.pool.take(n)
-                    self.hw.copy_bytes(out, slot.tensor[:n])
-                    self.hw.synchronize()
-                    doorbell.send(done=bucket.index)
+                    continue
+                out = self.session.pool.take(n) if whole is None else whole[start : start + n]
+                self.hw.copy_bytes(out, slot.tensor[:n])
+                self.hw.synchronize()
+                doorbell.send(done=bucket.index)
+                if whole is None:
                     yield bucket, out
             if whole is not None:
                 yield bucket, whole

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Self
 
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -54,20 +55,13 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     WeightSyncError,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import (
-    Verdict,
-    plan_signature,
-    wire_params,
-    wire_signature,
-)
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
 
 logger = get_logger(__name__)
 
 
 def gather_ranks(obj: Any) -> list[Any]:
     """``obj`` of every trainer rank (a collective on the default group; ``[obj]`` without)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -183,9 +177,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         info = self.init_info
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
-        ranks = gather_ranks(
-            {"rank": info.rank, "chip": here["chip"], "doorbell": listener.address}
-        )
+        ranks = gather_ranks({"rank": info.rank, "chip": self.chip, "doorbell": listener.address})
         chips = [r["chip"] for r in ranks]
         if len(set(chips)) != len(chips):
             listener.close()
@@ -311,17 +303,19 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         sender = self.peers[0]
         try:
-            self.update_id = self._next_update(sender)
+            msg = sender.recv("waiting for the sender's next update")
+            if "update" not in msg:
+                raise WeightSyncError(f"unexpected message from the sender: {msg}")
+            self.update_id = int(msg["update"])
             sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
-            watch = self._watch(sender)
-            replies = self._ready(plan, watch)
+            replies = self._ready(plan, self._watch)
             verdict, reason = _lowest(replies)
             sender.send(ready=self.update_id, verdict=int(verdict), error=reason)
             go = sender.expect("go", self.update_id, "waiting for the sender's verdict")
             self._go(replies, Verdict(go["verdict"]), go.get("reason"))
             if go["verdict"] != Verdict.GO:
                 return
-            self._stream(plan, iter(self.source), watch)
+            self._stream(plan, iter(self.source), self._watch)
             sender.send(sent=self.update_id)
         except _Cancelled:
             return
@@ -329,23 +323,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             self.abort()
             raise
 
-    def _next_update(self, sender: Doorbell) -> int:
-        msg = sender.recv("waiting for the sender's next update")
-        if "update" not in msg:
-            raise WeightSyncError(f"unexpected message from the sender: {msg}")
-        return int(msg["update"])
-
-    def _watch(self, sender: Doorbell) -> Poll:
+    def _watch(self) -> None:
         """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""
-
-        def poll() -> None:
-            msg = sender.pending("watching the sender")
-            if msg is not None and "cancel" in msg:
-                raise _Cancelled(msg.get("reason"))
-            if msg is not None:
-                raise WeightSyncError(f"unexpected message from the sender: {msg}")
-
-        return poll
+        msg = self.peers[0].pending("watching the sender")
+        if msg is not None and "cancel" in msg:
+            raise _Cancelled(msg.get("reason"))
+        if msg is not None:
+            raise WeightSyncError(f"unexpected message from the sender: {msg}")
 
     # -- shared by every rank -------------------------------------------------------------
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:

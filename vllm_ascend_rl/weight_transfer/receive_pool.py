@@ -17,14 +17,13 @@ class ReceivePool:
     until a layer is complete; the storage use count tells). Warm buffers, up to ``max_bytes``,
     are kept: first-touch page faults make a copy into fresh host memory several times slower.
     Device memory taken after vLLM sized the KV cache is outside its budget, so
-    :meth:`end_update` gives every buffer back (on CPU too). ``peak_bytes``: the most held at
-    once in the update, counting buffers it could not keep."""
+    :meth:`end_update` gives every buffer back (on CPU too)."""
 
     def __init__(self, device: torch.device, max_bytes: int) -> None:
         self.device, self.max_bytes = device, max_bytes
         self.buffers: list[tuple[torch.Tensor, int]] = []  # (buffer, use count when idle)
         self.allocated_bytes = 0  # fresh memory taken since the last end_update
-        self.peak_bytes = 0  # most bytes alive at once since the last end_update
+        self.peak_bytes = 0  # most bytes alive at once since end_update, kept or not
         self._alive: list[tuple[weakref.ref, int]] = []  # every buffer of this update
 
     @property

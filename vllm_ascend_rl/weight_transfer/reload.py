@@ -35,10 +35,6 @@ class LayerwiseReload:
         self._pending: list[torch.nn.Module] = []
         self._backup: dict[torch.nn.Module, _LayerBackup] = {}
 
-    @property
-    def active(self) -> bool:
-        return self.model is not None
-
     def begin(
         self,
         model: torch.nn.Module,
@@ -55,7 +51,8 @@ class LayerwiseReload:
             return
         started = time.monotonic()
         try:
-            check_host_memory(sum(map(_kernel_bytes, self._pending)), workers_on_host)
+            kernel = [t for layer in self._pending for t in _kernel_tensors(layer)]
+            check_host_memory(sum(t.numel() * t.element_size() for t in kernel), workers_on_host)
             self._backup = {layer: _LayerBackup.of(layer) for layer in self._pending}
         except BaseException:
             self.abort(model_config)  # nothing loaded yet: the old tensors go back
@@ -95,7 +92,7 @@ class LayerwiseReload:
         """End the update; return (complete layers restored from the host copy, complete
         layers that keep new weights as no copy was kept). Partial layers forget what they
         received, so finalize puts their untouched kernel tensors back."""
-        if not self.active:
+        if self.model is None:
             return 0, 0
         restored = kept = 0
         for layer in self._pending:
@@ -113,9 +110,7 @@ class LayerwiseReload:
         self.finish(model_config)
         if restored or kept:
             logger.warning(
-                "weight update aborted: %d layer(s) restored, %d keep new weights",
-                restored,
-                kept,
+                "weight update aborted: %d layer(s) restored, %d keep new weights", restored, kept
             )
         return restored, kept
 
@@ -132,10 +127,7 @@ class _LayerBackup:
 
     @classmethod
     def of(cls, layer: torch.nn.Module) -> _LayerBackup:
-        params, buffers = get_layerwise_info(layer).kernel_tensors or ({}, {})
-        tensors = [
-            (t, t.detach().to("cpu", copy=True)) for t in (*params.values(), *buffers.values())
-        ]
+        tensors = [(t, t.detach().to("cpu", copy=True)) for t in _kernel_tensors(layer)]
         attrs = {k: v for k, v in vars(layer).items() if k not in _MODULE_INTERNALS}
         return cls(tensors, attrs)
 
@@ -148,9 +140,9 @@ class _LayerBackup:
         state.update(self.attrs)
 
 
-def _kernel_bytes(layer: torch.nn.Module) -> int:
+def _kernel_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:
     params, buffers = get_layerwise_info(layer).kernel_tensors or ({}, {})
-    return sum(t.numel() * t.element_size() for t in (*params.values(), *buffers.values()))
+    return [*params.values(), *buffers.values()]
 
 
 def available_host_bytes() -> int:

@@ -137,9 +137,7 @@ class UpdateSession:
 
     def load(self, bucket: Bucket, buf: torch.Tensor) -> None:
         """Load one bucket; layerwise reload may keep views of ``buf`` until a layer completes."""
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
             self.model.load_weights(unpack_views(buf, bucket))

@@ -11,8 +11,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
@@ -47,39 +49,11 @@ class SyncResult:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-NOT_PAUSED = (
-    "the engine is not paused: pause it before send_weights (/pause, "
-    "EngineControlClient.pause) and resume after. A forward pass during an update would run "
-    "on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; vllm-ascend's "
-    "ACL graphs) no hook can stop it. Nothing was sent."
-)
-
-
-def engine_paused(client: Any) -> bool | None:
-    """Whether the engine is paused (``client.is_paused()``, else ``/is_paused``), or None."""
-    ask = getattr(client, "is_paused", None)
-    if callable(ask):
-        return ask()
-    base_url = getattr(client, "base_url", None)
-    if not base_url:
-        return None
-    from vllm_ascend_rl.client import EngineControlClient, EngineControlError
-
-    try:
-        return EngineControlClient(base_url, timeout_s=30).is_paused()
-    except EngineControlError as e:
-        raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
-
-
 def server_message(e: BaseException) -> str:
     """The most useful text of an exception from a weight-sync client call."""
     response = getattr(e, "response", None)
     if response is not None:
-        from vllm_ascend_rl.client import error_message
-
         return f"HTTP {response.status_code}: {error_message(response)}"
-    import requests
-
     if isinstance(e, requests.ConnectionError):
         return f"the engine's server is unreachable or died ({type(e).__name__}: {e})"
     return f"{type(e).__name__}: {e}"
@@ -114,9 +88,6 @@ class BackgroundCall:
         finally:
             self._done.set()
 
-    def done(self) -> bool:
-        return self._done.is_set()
-
     def wait(self, timeout_s: float) -> bool:
         return self._done.wait(timeout_s)
 
@@ -133,8 +104,7 @@ class BackgroundCall:
 
     def failure(self, timeout_s: float) -> str | None:
         """Wait for the call to end; its error message, or None if it succeeded."""
-        self._done.wait(timeout_s)
-        if not self._done.is_set():
+        if not self._done.wait(timeout_s):
             return f"{self.what} did not return within {timeout_s:.0f}s"
         return None if self.error is None else server_message(self.error)
 
@@ -144,8 +114,6 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
     base_url = getattr(client, "base_url", None)
     if not base_url:
         return
-    import requests
-
     try:
         r = requests.get(
             f"{base_url}/get_world_size", params={"include_dp": "true"}, timeout=timeout_s
@@ -267,13 +235,26 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
 
 
 def require_paused(client: Any) -> None:
-    """Refuse to open an update while the engine generates: the engine's forward guard is a
-    Python hook, which graph replay bypasses."""
-    paused = engine_paused(client)
+    """Refuse to open an update while the engine generates (``client.is_paused()``, else
+    ``/is_paused``): the engine's forward guard is a Python hook, which graph replay bypasses."""
+    ask, base_url = getattr(client, "is_paused", None), getattr(client, "base_url", None)
+    paused = None
+    if callable(ask):
+        paused = ask()
+    elif base_url:
+        try:
+            paused = EngineControlClient(base_url, timeout_s=30).is_paused()
+        except EngineControlError as e:
+            raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
     if paused is None:
         logger.warning("cannot tell whether %s is paused: pause it first", engine_name(client))
     elif not paused:
-        raise WeightSyncError(NOT_PAUSED)
+        raise WeightSyncError(
+            "the engine is not paused: pause it before send_weights (/pause, "
+            "EngineControlClient.pause) and resume after. A forward pass during an update would "
+            "run on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; "
+            "vllm-ascend's ACL graphs) no hook can stop it. Nothing was sent."
+        )
 
 
 def start_update(client: Any) -> None:

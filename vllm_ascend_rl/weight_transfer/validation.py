@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_name
+from vllm_ascend_rl.weight_transfer.buckets import TensorSpec, dtype_from_name, dtype_name
 
 logger = get_logger(__name__)
 
@@ -40,7 +40,7 @@ def _safetensors_params(model_dir: str) -> dict[str, tuple[torch.dtype, tuple[in
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = f.get_slice(name)
-                out[name] = (_dtype_from_safetensors(sl.get_dtype()), tuple(sl.get_shape()))
+                out[name] = (_ST_DTYPES.get(sl.get_dtype(), torch.uint8), tuple(sl.get_shape()))
     return out
 
 
@@ -60,18 +60,6 @@ _ST_DTYPES = {
 }
 
 
-def _dtype_from_safetensors(name: str) -> torch.dtype:
-    return _ST_DTYPES.get(name, torch.uint8)
-
-
-def _meta_model_params(hf_config) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
-    return {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
-
-
 def expected_params(model_config) -> dict[str, ExpectedParam] | None:
     """Checkpoint-format parameters of the served model, or None if they cannot be known."""
     source = model_config.model
@@ -80,7 +68,11 @@ def expected_params(model_config) -> dict[str, ExpectedParam] | None:
         params = _safetensors_params(source)
     if not params:
         try:
-            params = _meta_model_params(model_config.hf_config)
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):  # the architecture, without allocating its weights
+                model = AutoModelForCausalLM.from_config(model_config.hf_config)
+            params = {n: (p.dtype, tuple(p.shape)) for n, p in model.named_parameters()}
         except Exception as e:  # unknown architecture: validate what we can
             logger.warning(
                 "cannot derive checkpoint parameters of %s (%s); weight updates "
@@ -103,8 +95,6 @@ def parse_specs(
     names: Sequence[str], dtype_names: Sequence[str], shapes: Sequence[Sequence[int]]
 ) -> list[TensorSpec]:
     """Wire metadata -> specs; WeightUpdateRefused on malformed input."""
-    from vllm_ascend_rl.weight_transfer.buckets import dtype_from_name
-
     if not (len(names) == len(dtype_names) == len(shapes)):
         raise WeightUpdateRefused(
             f"names, dtype_names and shapes differ in length: {len(names)}, "
@@ -128,11 +118,6 @@ def parse_specs(
     return specs
 
 
-# How much of the model an update must carry (the ``validation`` wire parameter): "partial"
-# may omit whole layers (frozen modules keep their weights), never part of one; "complete"
-# refuses any missing checkpoint tensor. Both refuse unknown names, shapes and dtypes.
-
-
 def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None) -> str:
     """The serving layer a checkpoint tensor loads into, by name: vLLM fuses modules
     (``packed_modules_mapping``: q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``) and an MoE
@@ -153,7 +138,9 @@ def validate_update(
     validation: str = "partial",
     packed_modules: dict[str, list[str]] | None = None,
 ) -> None:
-    """Raise WeightUpdateRefused naming the first parameter that does not fit the model."""
+    """Raise WeightUpdateRefused naming the first parameter that does not fit the model.
+    ``validation="partial"`` may omit whole layers (frozen modules keep their weights), never
+    part of one; ``"complete"`` refuses any missing checkpoint tensor."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:

@@ -95,17 +95,11 @@ def plan_for(info: WireParams, specs: list[TensorSpec], alone_bytes: int | None)
 
 def plan_signature(plan: list[Bucket]) -> int:
     """What both sides sign at every update: every bucket and every tensor's place in it."""
-    return signature(
-        [
-            (
-                b.nbytes,
-                b.oversized,
-                b.offsets,
-                [(s.name, dtype_name(s.dtype), s.shape) for s in b.specs],
-            )
-            for b in plan
-        ]
-    )
+    rows = []
+    for b in plan:
+        tensors = [(s.name, dtype_name(s.dtype), s.shape) for s in b.specs]
+        rows.append((b.nbytes, b.oversized, b.offsets, tensors))
+    return signature(rows)
 
 
 class Verdict(IntEnum):
