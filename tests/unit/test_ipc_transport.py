@@ -167,6 +167,32 @@ def doorbell_pair(timeout_s: float) -> tuple[DoorbellListener, Doorbell, Doorbel
     return listener, trainer_side, engine_side[0]
 
 
+def test_a_worker_hello_from_another_chip_is_refused_naming_both():
+    from vllm_ascend_rl.weight_transfer.npu_ipc import AscendRLNPUIPCWeightTransferInitInfo
+    from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import welcome
+    from vllm_ascend_rl.weight_transfer.wire import wire_signature
+
+    listener, trainer_side, engine = doorbell_pair(5.0)
+    try:
+        info = AscendRLNPUIPCWeightTransferInitInfo(doorbells={"cpu0": listener.address})
+        here = CPU.location()
+        hello = {"hello": 1, "wire": wire_signature(info, None)}
+        assert not welcome(
+            trainer_side, {**hello, "location": {**here, "chip": "cpu5"}}, info, here
+        )
+        error = engine.recv("hello answer")["error"]
+        assert error.startswith(
+            f"engine worker 1: trainer and engine are not on the same chip: "
+            f"trainer on chip {here['chip']} of host {here['host']}, "
+            f"engine on chip cpu5 of host {here['host']}"
+        ), error
+        assert welcome(trainer_side, {**hello, "location": here}, info, here)
+        assert engine.recv("hello answer") == {"welcome": True, "error": None}
+    finally:
+        for d in (trainer_side, engine, listener):
+            d.close()
+
+
 def test_doorbell_round_trip_eof_and_timeout():
     listener, trainer_side, engine = doorbell_pair(1.0)
     trainer_side.send(bucket=3)

@@ -31,7 +31,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from vllm_ascend_rl.device import ExportedBuffer, current_device
+from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError, current_device
+from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -80,14 +81,11 @@ def welcome(doorbell: Doorbell, hello: dict, info, here: dict) -> bool:
     error = None
     if hello.get("wire") != wire_signature(info, None):
         error = f"trainer and engine disagree on protocol or wire parameters: {hello}"
-    elif hello.get("location") != here:
-        where = hello.get("location") or {}
-        error = (
-            f"trainer and engine are not on the same chip: trainer on chip {here.get('chip')} "
-            f"of host {here.get('host')}, engine worker {hello.get('hello')} on chip "
-            f"{where.get('chip')} of host {where.get('host')}. NPU IPC needs them colocated; "
-            "use the hccl backend across chips or hosts."
-        )
+    else:
+        try:
+            check_same_location(here, hello.get("location") or {})
+        except IpcHandleError as e:
+            error = f"engine worker {hello.get('hello')}: {e}"
     doorbell.send(welcome=error is None, error=error)
     return error is None
 
