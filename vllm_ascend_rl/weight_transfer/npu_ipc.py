@@ -211,18 +211,21 @@ class AscendRLNPUIPCWeightTransferEngine(
                 doorbell.expect("bucket", bucket.index, f"waiting for bucket {bucket.index}")
                 slot = ring[received % len(ring)]
                 received += 1
-                if whole is None and self.init_info.zero_copy:
+                if whole is not None:
+                    self.hw.copy_bytes(whole[start : start + n], slot.tensor[:n])
+                    self.hw.synchronize()
+                    doorbell.send(done=bucket.index)
+                elif self.init_info.zero_copy:
                     # Load straight from the trainer's buffer; before handing it back, copy
                     # out only what layerwise reload still holds (tensors of incomplete layers).
                     yield bucket, slot.tensor[:n]
                     self._hand_back(slot)
                     doorbell.send(done=bucket.index)
-                    continue
-                out = self.session.pool.take(n) if whole is None else whole[start : start + n]
-                self.hw.copy_bytes(out, slot.tensor[:n])
-                self.hw.synchronize()
-                doorbell.send(done=bucket.index)
-                if whole is None:
+                else:
+                    out = self.session.pool.take(n)
+                    self.hw.copy_bytes(out, slot.tensor[:n])
+                    self.hw.synchronize()
+                    doorbell.send(done=bucket.index)
                     yield bucket, out
             if whole is not None:
                 yield bucket, whole
