@@ -145,7 +145,10 @@ class Engine:
         await self.llm.shutdown_weight_transfer_engine()
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        # vLLM's default grace is 5 s, then SIGKILL; its engine core may itself wait up to
+        # VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS + 4 s for its workers. Killed in between, the
+        # engine core leaves its shared-memory queues (hundreds of MiB) in /dev/shm.
+        self.llm.shutdown(timeout=60)
 
 
 @ray.remote
