@@ -133,6 +133,30 @@ LEAK_PREFIXES = ("psm_", "sem.mp-", "vllm_ascend_rl_")  # vLLM's segments, its l
 LEAK_INFIXES = ("-cpushm_",)  # vLLM's CPU tensor-parallel communicator
 
 
+def new_segments(before: set[str]) -> set[str]:
+    """Segments (vLLM's, its locks, ours) in /dev/shm that are not in ``before``."""
+    return {
+        p.name
+        for p in SHM.iterdir()
+        if p.name not in before
+        and (p.name.startswith(LEAK_PREFIXES) or any(i in p.name for i in LEAK_INFIXES))
+    }
+
+
+def mapped_segments() -> set[str]:
+    """Names of the /dev/shm segments some live process maps."""
+    names = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        names.update(
+            m.split("/dev/shm/", 1)[1].split()[0] for m in text.splitlines() if "/dev/shm/" in m
+        )
+    return names
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
     """Every server, trainer and engine the suite starts must give its /dev/shm back: a
@@ -142,10 +166,18 @@ def no_shared_memory_left_behind():
         return
     before = {p.name for p in SHM.iterdir()}
     yield
-    leaked = sorted(
-        p.name
-        for p in SHM.iterdir()
-        if p.name not in before
-        and (p.name.startswith(LEAK_PREFIXES) or any(i in p.name for i in LEAK_INFIXES))
-    )
+    leaked = sorted(new_segments(before))
     assert not leaked, f"the test session left shared memory behind: {leaked}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_module_leaves_shared_memory_behind(request):
+    """The module that leaked a segment, named: new segments no live process maps (the
+    session's shared servers still map theirs)."""
+    if not SHM.is_dir():
+        yield
+        return
+    before = {p.name for p in SHM.iterdir()}
+    yield
+    leaked = sorted(new_segments(before) - mapped_segments())
+    assert not leaked, f"{request.module.__name__} left shared memory behind: {leaked}"

@@ -201,6 +201,7 @@ class VLLMServer:
             if self.is_healthy():
                 if not self.came_up:
                     self._renice_engine()
+                    self._segments |= _orphanable_segments(self.proc.pid)
                 self.came_up = True
                 return
             time.sleep(0.5)
@@ -214,23 +215,19 @@ class VLLMServer:
         """PIDs of the server and all its descendants (API server, engine core, workers)."""
         if not self.is_alive():
             return []
-        import psutil
-
         root = psutil.Process(self.proc.pid)
         return [root.pid] + [c.pid for c in root.children(recursive=True)]
 
     def kill_engine(self) -> None:
         """SIGKILL the engine core and its workers, as the OOM killer would; the API server
         and Python's resource tracker stay (stop() still cleans up)."""
-        self._segments |= _orphanable_segments(self.pids())
+        self._segments |= _orphanable_segments(self.proc.pid)
         self._kill_all_but_trackers(keep_api_server=True)
         self._engine_killed = True
 
     def _kill_all_but_trackers(self, keep_api_server: bool = False) -> None:
         """SIGKILL the server's processes except Python's resource trackers, which unlink
         what they track once every user is gone (killing them leaks it)."""
-        import psutil
-
         try:
             root = psutil.Process(self.proc.pid)
             procs = root.children(recursive=True) + ([] if keep_api_server else [root])
@@ -249,24 +246,20 @@ class VLLMServer:
             return
         if self._engine_killed:  # its API server waits on requests nobody will answer
             timeout_s, self._engine_killed = min(timeout_s, 5.0), False
+        pgid = self.proc.pid  # started with start_new_session: the group outlives its leader
+        self._segments |= _orphanable_segments(pgid)
+        _signal_group(pgid, signal.SIGTERM)
         try:
-            pgid = os.getpgid(self.proc.pid)
-        except ProcessLookupError:
-            pgid = None
-        if pgid is not None:
-            self._segments |= _orphanable_segments(self.pids())
-            _signal_group(pgid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:  # e.g. waiting on a request its dead engine
-                self._kill_all_but_trackers()  # will never answer
-            # The group outlives the API server for a moment: Python's resource tracker
-            # (which ignores SIGTERM) unlinks the engine's shared-memory segments once every
-            # user is gone. Killing it early leaks hundreds of MiB of /dev/shm per server.
-            _wait_group_gone(pgid, timeout_s)
-            _signal_group(pgid, signal.SIGKILL)
-            _unlink(self._segments)
-            self._segments = set()
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:  # e.g. waiting on a request its dead engine
+            self._kill_all_but_trackers()  # will never answer
+        # The group outlives the API server for a moment: Python's resource tracker
+        # (which ignores SIGTERM) unlinks the engine's shared-memory segments once every
+        # user is gone. Killing it early leaks hundreds of MiB of /dev/shm per server.
+        _wait_group_gone(pgid, timeout_s)
+        _signal_group(pgid, signal.SIGKILL)
+        _unlink(self._segments)
+        self._segments = set()
         self.proc.wait(timeout=timeout_s)
         self.proc = None
         self.came_up = False
@@ -296,16 +289,19 @@ def serving(*servers: VLLMServer) -> Iterator[tuple[VLLMServer, ...]]:
             server.stop()
 
 
-def _orphanable_segments(pids: list[int]) -> set[str]:
-    """The /dev/shm segments vLLM maps in ``pids`` and unlinks only on a clean exit: its
-    message queues (``psm_*``, unregistered from Python's resource tracker), their locks
-    (``sem.mp-*``) and the CPU tensor-parallel communicator's (``*-cpushm_<rank>``). A worker
-    terminated with the server, or killed, never exits cleanly: without this, every TP=2
-    server leaks 8 MiB and every killed engine its queues. The trainer's staging segments
-    (``vllm_ascend_rl_*``) are the trainer's to unlink, never ours."""
+def _orphanable_segments(pgid: int) -> set[str]:
+    """The /dev/shm segments vLLM maps in process group ``pgid`` (orphaned members included:
+    a worker whose engine core died is no longer anyone's child) and unlinks only on a clean
+    exit: its message queues (``psm_*``, unregistered from Python's resource tracker), their
+    locks (``sem.mp-*``) and the CPU tensor-parallel communicator's (``*-cpushm_<rank>``). A
+    worker terminated with the server, or killed, never exits cleanly: without this, every
+    TP=2 server leaks 8 MiB and every killed engine its queues. The trainer's staging
+    segments (``vllm_ascend_rl_*``) are the trainer's to unlink, never ours."""
     found: set[str] = set()
-    for pid in pids:
+    for pid in psutil.pids():
         try:
+            if os.getpgid(pid) != pgid:
+                continue
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
