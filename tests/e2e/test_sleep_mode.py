@@ -129,6 +129,26 @@ def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
 
 
+def test_level2_after_the_weight_checker_frees_the_weights_and_reloads(
+    server, ctl, baseline, model
+):
+    """vLLM's /weight_checker digests every parameter through ``.numpy()``, which leaves a CPU
+    storage never resizable again: level 2 must still free the weights, and a reload work."""
+    if not has_route("/weight_checker"):
+        pytest.skip("this vLLM has no /weight_checker (0.32 and later)")
+    assert ctl.weight_checksums()
+    ctl.sleep(1)
+    asleep_level1 = rss(server)
+    ctl.wake_up()
+    ctl.sleep(2)
+    extra = asleep_level1 - rss(server)
+    assert extra >= 0.5 * weight_bytes(), f"level 2 freed {extra >> 20} MiB more than level 1"
+    ctl.wake_up(["weights"])
+    ctl.reload_weights(str(model))
+    ctl.wake_up(["kv_cache"])
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
 def test_level2_reload_by_a_weight_transfer(server, ctl, baseline, model, tmp_path):
     env = trainer_env(server.chips, colocated=True)
     with TrainerProcess(model, log_path=tmp_path / "trainer.log", env=env) as trainer:

@@ -64,7 +64,8 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.camem_backend = attach_sleep_backend(self)
-        self._discarded: dict[torch.nn.Parameter, int] = {}  # param -> bytes to restore
+        # param -> (size, stride, bytes) to restore
+        self._discarded: dict[torch.nn.Parameter, tuple[torch.Size, tuple[int, ...], int]] = {}
 
     @property
     def allocator(self) -> CaMemAllocator:
@@ -90,7 +91,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
             "sleep level %d: released %.1f MiB of KV cache%s",
             level,
             released / 2**20,
-            f" and {sum(self._discarded.values()) / 2**20:.1f} MiB of parameters"
+            f" and {sum(n for *_, n in self._discarded.values()) / 2**20:.1f} MiB of parameters"
             if level >= 2
             else "",
         )
@@ -117,17 +118,17 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
             if hasattr(module, "cpu_linear"):  # the packed (oneDNN/SGL) copy of the weight
                 module.cpu_linear = _discarded_linear
         for param in model.parameters():
-            nbytes = param.untyped_storage().nbytes()
-            if nbytes:
-                self._discarded[param] = nbytes
-                param.untyped_storage().resize_(0)  # gives the memory back
+            if nbytes := param.untyped_storage().nbytes():
+                self._discarded[param] = (param.size(), param.stride(), nbytes)
+                # A new, empty storage, not resize_(0): a storage numpy has seen (vLLM's
+                # /weight_checker digests through .numpy()) can never be resized again.
+                param.set_()  # the old storage is freed with its last reference
         self._needs_reload = True
 
     @torch.no_grad()
     def _restore_weight_storage(self) -> None:
-        """Give every discarded parameter zeroed storage of its old size, for a reload to fill
-        (layerwise reload copies into these tensors and rebuilds the packed linears)."""
-        for param, nbytes in self._discarded.items():
-            param.untyped_storage().resize_(nbytes)
-            param.zero_()
+        """Give every discarded parameter zeroed storage of its old shape, for a reload to
+        fill (layerwise reload copies into these same tensors and rebuilds the packed linears)."""
+        for param, (size, stride, _) in self._discarded.items():
+            param.set_(torch.empty_strided(size, stride, dtype=param.dtype).zero_())
         self._discarded.clear()
