@@ -175,6 +175,14 @@ def current_profile() -> DeviceProfile:
         sleepable_worker=CPU_SLEEPABLE_WORKER,
         memory_fraction=MEMORY_FRACTION,
         default_worker=CPU_CHIP_WORKER,
+        # vLLM's CPU platform gives a one-worker engine's worker a process of its own
+        # (platforms/cpu.py, unless VLLM_ENABLE_V1_MULTIPROCESSING is 0). On NPU it runs in
+        # the engine core (vLLM's "uni" default, config/parallel.py; vllm-ascend keeps it),
+        # as it then does here, and each server start imports vLLM once fewer: about 8 s of
+        # CPU. One OpenMP thread, as the bound worker process had: vLLM cannot bind a process
+        # whose OpenMP pool exists, and two threads round with the batch's shape (a greedy
+        # run then parts from a reference at a near-tie, hundreds of tokens in).
+        server_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"},
         # A CPU engine core decodes the tiny models in a busy loop; on a small host its API
         # server would then fall seconds behind it (tokens, and the answers to /pause and
         # /resume), so the engine runs on after a pause is sent. The API server comes first.
