@@ -43,6 +43,8 @@ def pytest_collection_modifyitems(config, items):
     on_npu = config.getoption("--device") == "npu"
     need_npu = pytest.mark.skip(reason="needs Ascend NPUs: make test-npu on an Ascend host")
     need_cpu = pytest.mark.skip(reason="exercises a CPU stand-in of the hardware")
+    # Last, so that no other test waits for a killed shared server to start again.
+    items.sort(key=lambda item: item.get_closest_marker("kills_shared_servers") is not None)
     for item in items:
         if item.get_closest_marker("npu_only") and not on_npu:
             item.add_marker(need_npu)

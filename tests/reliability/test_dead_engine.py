@@ -1,6 +1,7 @@
 """An engine killed mid-sync (SIGKILL of its engine core and workers), seen from the trainer.
 
-Each test kills the session's RL engine of its backend (started again for its next user). The
+Each test kills the session's RL engine of its backend; these tests run after every other
+(``kills_shared_servers``), so no other test waits for it to start again. The
 trainer stalls mid-transfer, the engine dies during the stall, and ``send_weights`` must fail
 within ``timeout_s`` with a message that names the engine, leaving no shared memory behind.
 """
@@ -17,7 +18,12 @@ from tests.support.dead_engine import kill_mid_sync
 from tests.support.profile import trainer_env
 from tests.support.trainer import TrainerProcess
 
-pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(600)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.reliability,
+    pytest.mark.kills_shared_servers,
+    pytest.mark.timeout(600),
+]
 
 BACKENDS = ["ascend_rl_hccl", "ascend_rl_npu_ipc"]
 TIMEOUT_S = 10
