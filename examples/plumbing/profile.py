@@ -66,9 +66,9 @@ class DeviceProfile:
         return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(self.chip_name(c) for c in chips)}
 
     def server_chips_env(self, chips: Sequence[int]) -> dict[str, str]:
-        """A server's environment on ``chips``. On CPU each worker's OpenMP threads are also
-        bound to a core of its own chip's (vLLM's automatic binding puts every server's
-        worker on core 0, so two servers would share one core of the host)."""
+        """A server's environment on ``chips``. On CPU the OpenMP threads of each worker in a
+        process of its own (tensor parallel) are also bound to a core of its chip's (vLLM's
+        automatic binding puts every worker on core 0, so two would share one core)."""
         env = self.chips_env(chips)
         if self.kind != "npu":
             cores = sorted(os.sched_getaffinity(0))
