@@ -67,7 +67,7 @@ class DeviceProfile:
 
     def server_chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """A server's environment on ``chips``. On CPU the OpenMP threads of each worker in a
-        process of its own (tensor parallel) are also bound to a core of its chip's (vLLM's
+        process of its own (tensor or data parallel) are also bound to a core of its chip's (vLLM's
         automatic binding puts every worker on core 0, so two would share one core)."""
         env = self.chips_env(chips)
         if self.kind != "npu":
