@@ -67,8 +67,8 @@ class DeviceProfile:
 
     def server_chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """A server's environment on ``chips``. On CPU the OpenMP threads of each worker in a
-        process of its own (tensor or data parallel) are also bound to a core of its chip's (vLLM's
-        automatic binding puts every worker on core 0, so two would share one core)."""
+        process of its own (tensor or data parallel) are also bound to a core of its chip's
+        (vLLM's automatic binding puts every worker on core 0, so two would share one)."""
         env = self.chips_env(chips)
         if self.kind != "npu":
             cores = sorted(os.sched_getaffinity(0))
