@@ -11,8 +11,10 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
+from examples.plumbing.server import shm_mapped_by
 from tests.support import (
     TinyModelSpec,
     VLLMServer,
@@ -147,16 +149,7 @@ def new_segments(before: set[str]) -> set[str]:
 
 def mapped_segments() -> set[str]:
     """Names of the /dev/shm segments some live process maps."""
-    names = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        names.update(
-            m.split("/dev/shm/", 1)[1].split()[0] for m in text.splitlines() if "/dev/shm/" in m
-        )
-    return names
+    return set().union(*(shm_mapped_by(pid) for pid in psutil.pids()))
 
 
 UNMAPPED_AFTER: dict[str, str] = {}  # segment -> the first module after which no process mapped it

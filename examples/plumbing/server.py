@@ -302,15 +302,27 @@ def _orphanable_segments(pgid: int) -> set[str]:
         try:
             if os.getpgid(pid) != pgid:
                 continue
-            maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1].removesuffix(" (deleted)")
-            name = path.removeprefix("/dev/shm/")
-            if name != path and (name.startswith(("psm_", "sem.mp-")) or "-cpushm_" in name):
-                found.add(path)
+        found |= {
+            f"/dev/shm/{name}"
+            for name in shm_mapped_by(pid)
+            if name.startswith(("psm_", "sem.mp-")) or "-cpushm_" in name
+        }
     return found
+
+
+def shm_mapped_by(pid: int) -> set[str]:
+    """Names of the /dev/shm files process ``pid`` maps (none once it is gone)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return set()
+    return {
+        line.split(maxsplit=5)[-1].removesuffix(" (deleted)").removeprefix("/dev/shm/")
+        for line in maps.splitlines()
+        if " /dev/shm/" in line
+    }
 
 
 def _unlink(paths: set[str]) -> None:
