@@ -143,7 +143,7 @@ def test_one_pause_stops_every_engine_and_one_resume_restarts_them(engines, ctl,
     ctl.pause("keep")
     pause_ms = (time.perf_counter() - t0) * 1e3
     assert all(is_paused(e) for e in engines)
-    frozen = settled(lambda: [s.num_tokens for s in streams])
+    frozen = settled(lambda: [s.num_tokens for s in streams], [e.url for e in engines])
     assert all(0 < n < MAX_TOKENS for n in frozen), frozen
     time.sleep(OBSERVE_S)
     assert [s.num_tokens for s in streams] == frozen, "tokens arrived while paused"

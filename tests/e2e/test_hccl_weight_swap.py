@@ -116,7 +116,7 @@ class TestHCCLWeightSwap(WeightSyncCases):
         assert started.wait(120) and not errors, errors
         ctl = EngineControlClient(engine.url)
         ctl.pause("keep")
-        split = settled(lambda: len(tokens))
+        split = settled(lambda: len(tokens), engine.url)
         trainer.send(weight_version="v2")
         ctl.resume()
         thread.join(300)

@@ -154,7 +154,8 @@ def _pause_mid_stream(server, ctl, mode: str, max_tokens: int):
             if before < max_tokens:
                 return inflight, before
         else:
-            settled(lambda s=inflight: s.num_tokens)  # abort: the stream ends; keep: it freezes
+            # abort: the stream ends; keep: it freezes
+            settled(lambda s=inflight: s.num_tokens, server.url)
             if inflight.finish_reason != "length":
                 return inflight, before
         ctl.resume()  # the stream finished before the pause landed: try again
@@ -181,7 +182,7 @@ def test_pause_mode_request_lifecycle(server, ctl, mode):
         assert inflight.finish_reason == "length"
         assert inflight.num_tokens == max_tokens
     else:  # keep: frozen, not finished
-        frozen = settled(lambda: inflight.num_tokens)
+        frozen = settled(lambda: inflight.num_tokens, server.url)
         assert inflight.is_alive() and frozen < max_tokens
         time.sleep(OBSERVE_S)
         assert inflight.num_tokens == frozen, "tokens were generated while paused"

@@ -69,7 +69,7 @@ def _pause_with_tokens(
         t0 = time.perf_counter()
         ctl.pause("keep", clear_cache=clear_cache)
         pause_ms = (time.perf_counter() - t0) * 1e3
-        split = settled(lambda: [s.num_tokens for s in streams])
+        split = settled(lambda: [s.num_tokens for s in streams], url)
         if min(split) >= min_tokens or max(split) >= max_tokens:
             break
         probe_s = min(2 * probe_s, 0.25)  # capped: the stream must not finish in one interval
