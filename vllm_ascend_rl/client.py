@@ -167,7 +167,8 @@ class EngineControlClient:
         """Any dev-mode route on every engine, all or nothing (the router's fan-out)."""
         return self._fan_out(method, route, params, json)
 
-    def _agreed(self, values: Iterable[Any], what: str) -> Any:
+    def agreed(self, values: Iterable[Any], what: str) -> Any:
+        """The one value every engine reported; EnginesDisagree if they differ."""
         values = list(values)
         if any(v != values[0] for v in values):
             raise EnginesDisagree(what, dict(zip(self.urls, values, strict=True)))
@@ -192,7 +193,7 @@ class EngineControlClient:
 
     def is_paused(self) -> bool | None:
         out = self._fan_out("GET", "/is_paused")
-        return None if out is None else self._agreed((o["is_paused"] for o in out), "is_paused")
+        return None if out is None else self.agreed((o["is_paused"] for o in out), "is_paused")
 
     # -- sleep / wake --------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
@@ -203,14 +204,14 @@ class EngineControlClient:
 
     def is_sleeping(self) -> bool | None:
         out = self._fan_out("GET", "/is_sleeping")
-        return None if out is None else self._agreed((o["is_sleeping"] for o in out), "is_sleeping")
+        return None if out is None else self.agreed((o["is_sleeping"] for o in out), "is_sleeping")
 
     # -- weight checks (vLLM >= 0.32's /weight_checker) ---------------------------------
     def weight_checksums(self) -> dict[str, str] | None:
         """SHA-256 of every weight tensor, keyed ``dp0:pp0:pcp0:tp0:<parameter>``, as the
         engines' workers hold them. Engines holding different weights disagree."""
         out = self._fan_out("POST", "/weight_checker", json={"action": "checksum"})
-        return None if out is None else self._agreed((o["checksums"] for o in out), "weights")
+        return None if out is None else self.agreed((o["checksums"] for o in out), "weights")
 
     def weight_mismatches(self, baseline: dict[str, str]) -> list[str]:
         """Tensors whose digest differs from ``baseline`` on any engine; empty when all match."""
@@ -244,11 +245,4 @@ class EngineControlClient:
 
     def world_size(self) -> int | None:
         out = self._fan_out("GET", "/get_world_size")
-        return None if out is None else self._agreed((o["world_size"] for o in out), "world_size")
-
-    def healthy(self) -> bool:
-        try:
-            self._fan_out("GET", "/health", timeout_s=10)
-        except EngineControlError:
-            return False
-        return True
+        return None if out is None else self.agreed((o["world_size"] for o in out), "world_size")

@@ -108,7 +108,7 @@ def test_waking_an_awake_tag_is_a_no_op(alloc):
     assert alloc.allocations[kv.addr].handle == kv.handle and torch.all(t == 6)
     alloc.sleep()
     alloc.wake_up(["weights"])  # another tag: kv stays asleep
-    assert not alloc.allocations[kv.addr].awake
+    assert not alloc.allocations[kv.addr].mapped
 
 
 class FailingVmm:
@@ -137,9 +137,9 @@ def test_a_wake_that_fails_halfway_rolls_back_to_a_clean_asleep_state():
         a.sleep()
         with pytest.raises(SleepError, match=r"rolled back.*injected"):
             a.wake_up()
-        assert not any(x.awake for x in a.allocations.values()) and a.get_current_usage() == 0
+        assert not any(x.mapped for x in a.allocations.values()) and a.get_current_usage() == 0
         a.wake_up()  # and it can still wake afterwards
-        assert all(x.awake for x in a.allocations.values())
+        assert all(x.mapped for x in a.allocations.values())
     finally:
         for addr in list(a.allocations):
             a.free(addr)
@@ -149,7 +149,7 @@ def test_discard_releases_without_keeping_contents(alloc):
     w = alloc.allocate(MiB, "weights")
     fill(alloc, w, 8)
     alloc.discard(["weights"])
-    assert not alloc.allocations[w.addr].awake and alloc.allocations[w.addr].backup is None
+    assert not alloc.allocations[w.addr].mapped and alloc.allocations[w.addr].backup is None
     alloc.wake_up()
     assert torch.all(alloc.tensor(w) == 0)
 

@@ -114,7 +114,7 @@ def test_a_wake_that_fails_on_any_error_rolls_back(monkeypatch, cleanup):
     with pytest.raises(SleepError, match=r"rolled back: RuntimeError: aclrtMemcpy"):
         a.wake_up()
     now = [a.allocations[w.addr] for w in weights]
-    assert all(not w.awake and w.handle is None and w.has_backup for w in now)
+    assert all(not w.mapped and w.handle is None and w.has_backup for w in now)
     assert a.get_current_usage() == 0
     a.wake_up()
     assert [int(v[0]) for v in views] == [1, 2, 3]
@@ -131,7 +131,7 @@ def test_a_failed_free_after_unmap_leaves_a_consistent_asleep_allocation(cleanup
     with pytest.raises(SleepError, match=r"host VMM free failed \(code 9\)"):
         a.sleep()
     now = a.allocations[kv.addr]
-    assert not now.awake and now.handle is None
+    assert not now.mapped and now.handle is None
     a.sleep()  # nothing left to release
     a.free(kv.addr)
     assert kv.addr not in a.allocations
@@ -147,7 +147,7 @@ def test_free_keeps_the_allocation_known_until_it_is_released(cleanup):
     with pytest.raises(SleepError, match="free failed"):
         a.free(kv.addr)
     now = a.allocations[kv.addr]
-    assert not now.awake and now.handle is None
+    assert not now.mapped and now.handle is None
     a.free(kv.addr)
     assert kv.addr not in a.allocations
 
@@ -198,7 +198,7 @@ def test_allocating_on_another_thread_during_a_sleep_is_safe(cleanup):
     a.sleep()
     other.join(10)
     assert not errors and len(a.allocations) == 5
-    assert sum(x.awake for x in a.allocations.values()) == 1  # made after the sleep
+    assert sum(x.mapped for x in a.allocations.values()) == 1  # made after the sleep
 
 
 def test_discarding_an_asleep_backup_drops_it(cleanup):
@@ -260,7 +260,7 @@ def test_persistent_allocations_survive_sleep_and_discard(cleanup):
     a.sleep()
     a.discard(["kv_cache", PERSISTENT_TAG])
     now = a.allocations
-    assert now[bookkeeping.addr].awake and not now[kv.addr].awake and int(book[0]) == 5
+    assert now[bookkeeping.addr].mapped and not now[kv.addr].mapped and int(book[0]) == 5
     a.wake_up()
 
 

@@ -124,12 +124,7 @@ class CpuDevice(Device):
             raise IpcHandleError(
                 f"segment {name!r} holds {shm.size} bytes, handle says {nbytes} at offset {offset}"
             )
-        tensor = (
-            torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        return ImportedBuffer(tensor, lambda: _close(shm))
+        return ImportedBuffer(_bytes_of(shm, offset, nbytes), lambda: _close(shm))
 
 
 class QueuedCollectives:
@@ -237,11 +232,6 @@ class SegmentCarver:
             _close(seg.shm)
             seg.unlink()
 
-        tensor = (
-            torch.frombuffer(seg.shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
-            if nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
         handle = {
             "kind": "shm",
             "id": ipc_buffer_id(seg.name.encode(), offset),
@@ -250,7 +240,7 @@ class SegmentCarver:
             "nbytes": nbytes,
             "location": location,
         }
-        return ExportedBuffer(tensor, handle, seg.unlink, release)
+        return ExportedBuffer(_bytes_of(seg.shm, offset, nbytes), handle, seg.unlink, release)
 
 
 def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
@@ -261,11 +251,16 @@ def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
     if not isinstance(name, str) or not _SHM_NAME.match(name):
         # Only our own segments: another name could map any process's segment.
         raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise IpcHandleError(f"malformed shared-memory handle: nbytes {nbytes!r}")
-    if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-        raise IpcHandleError(f"malformed shared-memory handle: offset {offset!r}")
+    for key, value in (("nbytes", nbytes), ("offset", offset)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise IpcHandleError(f"malformed shared-memory handle: {key} {value!r}")
     return name, offset, nbytes
+
+
+def _bytes_of(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> torch.Tensor:
+    if not nbytes:  # frombuffer refuses an empty view
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(shm.buf, dtype=torch.uint8, count=nbytes, offset=offset)
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:

@@ -224,18 +224,15 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
         params = list(request.query_params.multi_items())
         try:
             out = await asyncio.to_thread(ctl.request, request.method, route, params, payload)
+            agreed = ctl.agreed(out, route)
         except EngineControlError as e:
             failures = getattr(e, "failures", {e.url: e})
             statuses = {f.status for f in failures.values()}
             status = statuses.pop() if len(statuses) == 1 and None not in statuses else 502
             return JSONResponse(error_body(status, f"router: {e}"), status)
-        assert out is not None
-        if any(o != out[0] for o in out):
-            disagree = EnginesDisagree(route, dict(zip(engines.urls, out, strict=True)))
-            return JSONResponse(error_body(409, f"router: {disagree}"), 409)
-        if isinstance(out[0], str):
-            return Response(out[0])
-        return JSONResponse(out[0])
+        except EnginesDisagree as e:
+            return JSONResponse(error_body(409, f"router: {e}"), 409)
+        return Response(agreed) if isinstance(agreed, str) else JSONResponse(agreed)
 
     for route in FANNED_OUT:
         app.add_api_route(route, fan_out, methods=["GET", "POST"])

@@ -43,14 +43,10 @@ class Allocation:
     tag: str
     device: int
     handle: int | None  # physical memory; None while asleep
-    mapped: bool  # physical memory is mapped at addr
+    mapped: bool  # awake: physical memory is mapped at addr
     id: int  # unique in the process; an address can be reused after a free, an id cannot
     backup: torch.Tensor | None = field(default=None, compare=False)  # host copy, reused
     has_backup: bool = False  # the backup holds this allocation's contents right now
-
-    @property
-    def awake(self) -> bool:
-        return self.mapped
 
 
 @dataclass
@@ -214,7 +210,7 @@ class CaMemAllocator:
         once the pool is gone; device/npu.py keeps every pool)."""
         offload = _tags(offload_tags) or set()
         with self._lock:
-            victims = [a for a in self._entries() if a.awake and a.tag != PERSISTENT_TAG]
+            victims = [a for a in self._entries() if a.mapped and a.tag != PERSISTENT_TAG]
             self._drain(victims)
             for alloc in victims:
                 if alloc.tag in offload:
@@ -232,7 +228,7 @@ class CaMemAllocator:
             woken: list[Allocation] = []
             try:
                 for alloc in self._entries():
-                    if alloc.awake or (wanted is not None and alloc.tag not in wanted):
+                    if alloc.mapped or (wanted is not None and alloc.tag not in wanted):
                         continue
                     # Populated: a shortage fails (and rolls back) this wake, not a later page
                     # fault, and the first forward pass pays no faults (ACL maps eagerly).
@@ -255,9 +251,9 @@ class CaMemAllocator:
         wanted = _tags(tags) or set()
         with self._lock:
             chosen = [a for a in self._entries() if a.tag in wanted and a.tag != PERSISTENT_TAG]
-            self._drain([a for a in chosen if a.awake])
+            self._drain([a for a in chosen if a.mapped])
             for alloc in chosen:
-                if alloc.awake:
+                if alloc.mapped:
                     self._outdate_backup(alloc.addr)
                     self._call("table_sleep", alloc.addr, alloc.id)
                 elif alloc.has_backup:
@@ -268,10 +264,10 @@ class CaMemAllocator:
 
     def get_current_usage(self) -> int:
         """Bytes of physical memory currently held."""
-        return sum(a.size for a in self._entries() if a.awake)
+        return sum(a.size for a in self._entries() if a.mapped)
 
     def is_awake(self, tag: str) -> bool:
-        return all(a.awake for a in self._entries() if a.tag == tag)
+        return all(a.mapped for a in self._entries() if a.tag == tag)
 
     def tags(self) -> set[str]:
         return {a.tag for a in self._entries()}
