@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 BACKENDS = ["ascend_rl_hccl", "ascend_rl_npu_ipc"]
-TIMEOUT_S = 10
+TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
