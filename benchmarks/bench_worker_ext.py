@@ -41,7 +41,8 @@ class WeightSyncBenchExtension:
                 kept.append((bucket, buf.clone()))
             del buf  # as a real update: the transport may check the buffer was released
         seconds = time.perf_counter() - t0
-        self._bench_kept = kept
+        if keep:  # a transport-only round must not drop what load_only replays
+            self._bench_kept = kept
         return seconds
 
     def bench_load_only(self) -> float:
