@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from examples.plumbing.server import shm_mapped_by
+from examples.plumbing.server import is_vllm_segment, shm_mapped_by
 from tests.support import (
     TinyModelSpec,
     VLLMServer,
@@ -133,8 +133,7 @@ def reference_v2(shared_servers) -> VLLMServer:
 
 
 SHM = Path("/dev/shm")
-LEAK_PREFIXES = ("psm_", "sem.mp-", "vllm_ascend_rl_")  # vLLM's segments, its locks, ours
-LEAK_INFIXES = ("-cpushm_",)  # vLLM's CPU tensor-parallel communicator
+OUR_PREFIX = "vllm_ascend_rl_"  # the trainers' staging segments
 
 
 def new_segments(before: set[str]) -> set[str]:
@@ -142,8 +141,7 @@ def new_segments(before: set[str]) -> set[str]:
     return {
         p.name
         for p in SHM.iterdir()
-        if p.name not in before
-        and (p.name.startswith(LEAK_PREFIXES) or any(i in p.name for i in LEAK_INFIXES))
+        if p.name not in before and (is_vllm_segment(p.name) or p.name.startswith(OUR_PREFIX))
     }
 
 

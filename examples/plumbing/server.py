@@ -304,12 +304,13 @@ def _orphanable_segments(pgid: int) -> set[str]:
                 continue
         except OSError:
             continue
-        found |= {
-            f"/dev/shm/{name}"
-            for name in shm_mapped_by(pid)
-            if name.startswith(("psm_", "sem.mp-")) or "-cpushm_" in name
-        }
+        found |= {f"/dev/shm/{name}" for name in shm_mapped_by(pid) if is_vllm_segment(name)}
     return found
+
+
+def is_vllm_segment(name: str) -> bool:
+    """A /dev/shm name vLLM creates: its message queues, their locks, the CPU TP communicator."""
+    return name.startswith(("psm_", "sem.mp-")) or "-cpushm_" in name
 
 
 def shm_mapped_by(pid: int) -> set[str]:
