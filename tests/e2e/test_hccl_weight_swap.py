@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -165,13 +164,6 @@ class TestHCCLWeightSwap(WeightSyncCases):
         r = _post(engine, "/start_weight_update")
         assert r.status_code >= 400 and "already" in r.text, r.text
         assert _post(engine, "/finish_weight_update").status_code == 200  # nothing loaded
-        self.assert_alive_and_intact(engine, v1_probe)
-
-    def test_init_with_unreachable_master(self, engine, on_v1, v1_probe):
-        t0 = time.monotonic()
-        r = _init_request(engine, world_size=2, timeout_s=3)
-        assert r.status_code >= 400 and "rendezvous" in r.text, r.text
-        assert time.monotonic() - t0 < 60
         self.assert_alive_and_intact(engine, v1_probe)
 
     def test_init_with_wrong_world_size(self, engine, trainer, on_v1, v1_probe):

@@ -3,6 +3,7 @@ paths, and a leak test. The shared cases are in ``weight_sync_cases``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -14,7 +15,7 @@ import requests
 from tests.e2e.weight_sync_cases import PROBE, WeightSyncCases
 from tests.support import greedy_token_ids
 from tests.support.profile import current_profile
-from tests.support.trainer import TrainerError
+from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
@@ -34,7 +35,7 @@ BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the ref
         {"doorbells": {"elsewhere": NOBODY}},
         f"no trainer rank on chip {CHIP}",
     ),
-    "nobody_listening": ({}, f"cannot reach the trainer's doorbell '{NOBODY}'"),
+    "another_trainer": ({}, "the weight channel belongs to trainer"),  # the live owner's
     "zero_copy": ({"zero_copy": "yes"}, "zero_copy: Input should be a valid boolean"),
     "old_protocol": ({"protocol_version": 5}, "protocol_version: Unexpected keyword argument"),
     "bucket_bytes": (
@@ -64,6 +65,22 @@ def _init_body(case: str) -> dict:
 
 def shm_entries() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def ring_mappings(pids: list[int]) -> list[str]:
+    """The trainers' staging segments (CPU stand-in) that the processes ``pids`` map."""
+    out = []
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            out += [line.split(None, 5)[-1].strip() for line in maps if "/vllm_ascend_rl_" in line]
+    return out
+
+
+def unmapped_within(engine, timeout_s: float) -> None:
+    t0 = time.monotonic()
+    while held := ring_mappings(engine.pids()):
+        assert time.monotonic() < t0 + timeout_s, f"still mapped after {timeout_s}s: {held}"
+        time.sleep(0.2)
 
 
 def rss(pids: list[int]) -> int:
@@ -181,6 +198,31 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
             f"trainer {trainer_after >> 20} MiB"
         )
         assert growth["engine"] <= 0.02 and growth["trainer"] <= 0.02, growth
+
+    @pytest.mark.cpu_only  # the stand-in's rings are /dev/shm files in /proc/<pid>/maps
+    def test_a_departed_trainers_ring_is_unmapped_within_its_timeout(
+        self, engine, models, trainer, on_v1, tmp_path, plugin_env, chip
+    ):
+        """An idle engine drops every mapping of a trainer that shut its engine down or died,
+        within timeout_s and without an init; the channel is free then (an init is judged on
+        its own: here, nobody listens)."""
+        timeout_s = 10
+        env = self.trainer_env(plugin_env, engine)
+        assert ring_mappings(engine.pids()), "no ring mapped: the checks below cannot fail"
+        trainer.release(engine.url)  # a trainer that shuts its engine down
+        unmapped_within(engine, timeout_s)
+        with TrainerProcess(models[1], log_path=tmp_path / "killed.log", env=env) as killed:
+            self.init(killed, engine, timeout_s=timeout_s)
+            killed.send(weight_version="v2")
+            assert ring_mappings(engine.pids()), "no ring mapped: the check below cannot fail"
+            killed.proc.kill()  # a trainer that dies
+            unmapped_within(engine, timeout_s)
+        r = requests.post(
+            engine.url + "/init_weight_transfer_engine",
+            json=on_chip(_init_body("another_trainer"), chip),
+            timeout=120,
+        )
+        assert r.status_code >= 400 and f"cannot reach the trainer's doorbell '{NOBODY}'" in r.text
 
     @pytest.mark.parametrize("case", list(BAD_INIT))
     def test_malformed_init_is_refused_and_spares_the_live_trainer(

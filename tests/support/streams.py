@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -47,3 +49,45 @@ def settled(
         if trips >= round_trips and time.monotonic() - quiet_since >= quiet_s:
             return now
     raise AssertionError(f"token counts did not settle within {timeout_s} s: {last}")
+
+
+class TokenClock:
+    """Streams completions back to back in a thread (each to its length limit) and records
+    when every token arrived: :meth:`longest_gap` shows whether generation ever stopped."""
+
+    def __init__(self, url: str, prompt: str = "The clock says", max_tokens: int = 256) -> None:
+        self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
+        self.error: str | None = None
+        self._streams: list[StreamingCompletion] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="token-clock")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            stream = StreamingCompletion(self.url, self.prompt, self.max_tokens, ignore_eos=True)
+            self._streams.append(stream)
+            stream.run()  # in this thread
+            if not stream.ok:
+                self.error = stream.error or f"finish_reason={stream.finish_reason}"
+                return
+
+    def times(self) -> list[float]:
+        return [t for s in list(self._streams) for t in list(s.token_times)]
+
+    def __enter__(self) -> TokenClock:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.times():
+            assert self.error is None and time.monotonic() < deadline, self.error or "no token"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def longest_gap(self, since: float) -> float:
+        """The longest time without a token from ``since`` (monotonic) to now."""
+        assert self.error is None, f"the clock's stream failed: {self.error}"
+        stamps = [since, *(t for t in self.times() if t > since), time.monotonic()]
+        return max(b - a for a, b in itertools.pairwise(stamps))

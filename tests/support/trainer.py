@@ -119,6 +119,11 @@ class TrainerProcess:
         self.request("init", backend=backend, url=url, init_info=init_info)
         self.last_url = url
 
+    def release(self, url: str) -> None:
+        """Shut down this trainer's engine for ``url``: the engine's weight channel is free
+        for another trainer."""
+        self.request("release", url=url)
+
     def join_ranks(self, master_port: int, rank: int, world_size: int) -> None:
         """Form torch.distributed's default (gloo) group with the other trainer processes,
         as a multi-rank trainer has one."""
@@ -305,12 +310,18 @@ def _serve(
         cmd = msg["cmd"]
         try:
             if cmd == "ping":
-                reply(True, {"pid": os.getpid()})
+                from vllm_ascend_rl.weight_transfer.owner import trainer_id
+
+                reply(True, {"pid": os.getpid(), "trainer_id": trainer_id()})
             elif cmd == "exit":
                 for engine in engines.values():
                     engine.shutdown()
                 reply(True)
                 return
+            elif cmd == "release":
+                if msg["url"] in engines:
+                    engines.pop(msg["url"]).shutdown()
+                reply(True)
             elif cmd == "dist_init":
                 import torch.distributed as dist
 
@@ -394,7 +405,7 @@ def _die_during_init() -> None:
     from vllm_ascend_rl.weight_transfer import npu_ipc_trainer
     from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
 
-    def die(*_: Any) -> None:
+    def die(*_: Any, **__: Any) -> None:
         os._exit(17)
 
     BroadcastChannel.agree = die

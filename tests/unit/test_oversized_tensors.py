@@ -151,6 +151,6 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         _, peak = engine.session.pool.end_update()
         assert peak <= BUCKET, peak  # copy-out takes a bucket per packed bucket, none for pieces
     finally:
-        engine.disconnect()
+        engine.disconnect("test over")
         trainer.shutdown()
         listener.close()

@@ -4,6 +4,7 @@ real engine and trainer code over a gloo group, in threads."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -26,6 +27,7 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
     AscendRLNPUIPCTrainerWeightTransferEngine,
 )
+from vllm_ascend_rl.weight_transfer.owner import OwnerState, require_up
 from vllm_ascend_rl.weight_transfer.trainer_side import WeightSyncError
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
@@ -94,8 +96,9 @@ def _engine() -> AscendRLHCCLWeightTransferEngine:
 
 
 def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
-    """The engine's real init against a trainer rank that signed timeout_s=60: the engine
-    refuses, and neither side broadcast anything."""
+    """The engine's real init against a trainer rank that signed timeout_s=60: the init
+    returns at once, the handshake refuses on the owner's thread, the next call says why, and
+    neither side broadcast anything."""
     trainer_info = HCCLTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=2)
     seen: dict = {}
 
@@ -111,10 +114,14 @@ def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
             **{**wire_params(trainer_info), "timeout_s": 61.0},
         )
         monkeypatch.setattr(
-            "vllm_ascend_rl.weight_transfer.hccl.BroadcastChannel.open", lambda *a: ch
+            "vllm_ascend_rl.weight_transfer.hccl.BroadcastChannel.open", lambda *a, **k: ch
         )
-        with pytest.raises(ValueError, match="disagree on the weight-transfer protocol"):
-            engine.init_transfer_engine(engine_info)
+        engine.init_transfer_engine(engine_info)
+        deadline = time.monotonic() + 30
+        while engine.owner.state is OwnerState.CONNECTING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="disagree on the weight-transfer protocol"):
+            require_up(engine)
         seen["channel"] = engine.channel
         return ch.broken
 

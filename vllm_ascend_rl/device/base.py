@@ -105,6 +105,9 @@ class Device(ABC):
     @abstractmethod
     def torch_device(self) -> torch.device: ...
 
+    def bind_thread(self) -> None:  # noqa: B027 (only devices with a per-thread current one)
+        """Make this device the calling thread's current one (threads start on the default)."""
+
     def synchronize(self) -> None:  # noqa: B027 (a no-op unless the device queues work)
         """Wait for all work queued on this device by this process, collectives included."""
 

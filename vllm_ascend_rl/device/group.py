@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, Store
 
     from vllm_ascend_rl.device.base import Device
 
@@ -41,9 +41,10 @@ def tcp_uri(host: str, port: int) -> str:
 
 def open_group(
     device: Device, host: str, port: int, rank: int, world_size: int, timeout_s: float
-) -> ProcessGroup:
+) -> tuple[ProcessGroup, Store]:
     """Rendezvous at ``host:port`` (rank 0 hosts the store) and form the group; every step
-    gives up after ``timeout_s``."""
+    gives up after ``timeout_s``. Returns the group and its store (keys under the group's
+    prefix)."""
     from torch.distributed import PrefixStore, ProcessGroup
     from torch.distributed.rendezvous import rendezvous
 
@@ -51,11 +52,16 @@ def open_group(
     uri = tcp_uri(host, port)
     store, rank, world_size = next(rendezvous(uri, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
-    group_id = f"{uri}/{GROUP_NAME}/"
-    prefix = PrefixStore(group_id, store)
+    prefix = PrefixStore(group_prefix(host, port), store)
+    group_id = group_prefix(host, port)
     pg = ProcessGroup(prefix, rank, world_size)
     backend = device.group_backend(prefix, rank, world_size, timeout_s, group_id)
     pg._set_default_backend(backend.default_type)
     backend.impl._set_sequence_number_for_group()
     pg._register_backend(backend.torch_device, backend.register_type, backend.impl)
-    return pg
+    return pg, prefix
+
+
+def group_prefix(host: str, port: int) -> str:
+    """The group's name, the same on every rank: its store keys live under it."""
+    return f"{tcp_uri(host, port)}/{GROUP_NAME}/"

@@ -96,6 +96,9 @@ class NpuDevice(Device):
     def torch_device(self) -> torch.device:
         return torch.device("npu", self.index)
 
+    def bind_thread(self) -> None:
+        torch.npu.set_device(self.index)
+
     def synchronize(self) -> None:
         torch.npu.synchronize(self.index)
 

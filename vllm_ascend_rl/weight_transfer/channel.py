@@ -2,12 +2,14 @@
 payload every rank joins one all-reduce (MIN) of ``[verdict, signature, -signature]``, so a
 refusal reaches every rank (none waits in a collective until the backend's timeout) and all
 learn whether their signatures match. After a failed or timed-out collective the byte stream is
-out of step: the group is marked broken for good."""
+out of step: the group is marked broken for good. Rank 0 hosts the group's store; closing, it
+sets a key per rank there, which :meth:`BroadcastChannel.peer_gone` looks for."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
@@ -54,26 +56,39 @@ class ChannelError(RuntimeError):
 class BroadcastChannel:
     """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
 
-    def __init__(self, pg, device: Device, rank: int, world_size: int, timeout_s: float):
-        self.pg, self.device = pg, device
+    def __init__(self, pg, store, device: Device, rank: int, world_size: int, timeout_s: float):
+        self.pg, self.store, self.device = pg, store, device
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self.address: tuple[str, int] = ("", 0)
         self.broken: str | None = None
         self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
 
     @classmethod
     def open(
-        cls, device: Device, host: str, port: int, rank: int, world_size: int, timeout_s: float
+        cls,
+        device: Device,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        within_s: float | None = None,
     ) -> BroadcastChannel:
+        """Rendezvous and form the group within ``within_s`` (default ``timeout_s``); every
+        collective after that is bounded by ``timeout_s``."""
+        within_s = timeout_s if within_s is None else within_s
         try:
-            pg = open_group(device, host, port, rank, world_size, timeout_s)
+            pg, store = open_group(device, host, port, rank, world_size, within_s)
         except Exception as e:
             raise ChannelError(
                 f"rendezvous at {host}:{port} as rank {rank} of {world_size} failed within "
-                f"{timeout_s:.0f}s ({type(e).__name__}: {e}). Check master_address/"
+                f"{within_s:.0f}s ({type(e).__name__}: {e}). Check master_address/"
                 "master_port and that world_size counts the trainer plus every engine "
                 "worker."
             ) from e
-        return cls(pg, device, rank, world_size, timeout_s)
+        channel = cls(pg, store, device, rank, world_size, timeout_s)
+        channel.address = (host, port)
+        return channel
 
     def broadcast(self, tensor: torch.Tensor):
         """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
@@ -87,11 +102,15 @@ class BroadcastChannel:
         self.device.collective_issued(work, exec_timeout_s(self.timeout_s))
         return work
 
-    def wait(self, work, what: str, poll: Poll | None = None) -> None:
-        """Wait for ``work`` within ``timeout_s``, calling ``poll`` while waiting."""
+    def wait(
+        self, work, what: str, poll: Poll | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Wait for ``work`` within ``timeout_s`` (default the channel's), calling ``poll``
+        while waiting."""
         started = self._started.pop(id(work), time.monotonic())
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            polled = _await(work, self.timeout_s, poll)
+            polled = _await(work, timeout_s, poll)
             try:
                 work.wait()
                 # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
@@ -107,20 +126,27 @@ class BroadcastChannel:
             detail = f"{type(e).__name__}: {e}"
             # The backend's own timer runs timeout_s from issue; gloo words its expiry "Timed
             # out ..." or "Application timeout caused pair closure". Late means timeout.
-            late = time.monotonic() - started >= 0.8 * self.timeout_s
+            late = time.monotonic() - started >= 0.8 * timeout_s
             if late and not isinstance(e, TimeoutError):  # ours already says so
-                detail = f"no progress within timeout_s={self.timeout_s:.0f}s ({detail})"
+                detail = f"no progress within timeout_s={timeout_s:.0f}s ({detail})"
             self.broken = f"{what} failed: {detail}"
             raise ChannelError(self.broken) from e
 
-    def agree(self, code: int, sig: int, what: str, poll: Poll | None = None) -> tuple[int, bool]:
+    def agree(
+        self,
+        code: int,
+        sig: int,
+        what: str,
+        poll: Poll | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bool]:
         """All-reduce (MIN) ``[code, sig, -sig]``: (the lowest code any rank sent, whether
         every rank sent the same signature)."""
         self._check()
         t = torch.tensor([code, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN
-        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll)
+        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll, timeout_s)
         lowest, lo, neg_hi = (int(v) for v in t.cpu())
         return lowest, lo == -neg_hi
 
@@ -131,10 +157,43 @@ class BroadcastChannel:
                 "init_weight_transfer_engine again"
             )
 
+    def mark_up(self) -> None:
+        """Engine side: this rank has installed the channel (:meth:`wait_up`)."""
+        self.store.set(f"up/{self.rank}", "up")
+
+    def wait_up(self, timeout_s: float) -> None:
+        """Rank 0: wait until every engine rank has installed the channel."""
+        keys = [f"up/{rank}" for rank in range(1, self.world_size)]
+        try:
+            self.store.wait(keys, timedelta(seconds=max(timeout_s, 0.001)))
+        except Exception as e:
+            raise ChannelError(
+                f"not every engine rank took the channel within timeout_s ({type(e).__name__}: "
+                f"{str(e)[:120]})"
+            ) from e
+
+    def peer_gone(self) -> str | None:
+        """Engine side, never waiting on a live store: why rank 0 is gone (it closed the
+        channel or its process exited), or None."""
+        if self.broken:
+            return self.broken
+        try:
+            closed = self.store.check([f"closed/{self.rank}"])
+        except Exception as e:  # the store went away with its host process
+            return f"its store is gone ({type(e).__name__}: {str(e)[:120]})"
+        return "it closed the channel" if closed else None
+
     def close(self) -> None:
         """Release the group; a broken one is torn down without waiting for a collective that
-        may be queued on a dead peer (on NPU: abort the communicator, not shutdown)."""
+        may be queued on a dead peer (on NPU: abort the communicator, not shutdown). Rank 0
+        first tells every engine rank (:meth:`peer_gone`)."""
         pg, self.pg = self.pg, None
+        if pg is not None and self.rank == 0:
+            try:
+                for rank in range(1, self.world_size):
+                    self.store.set(f"closed/{rank}", "closed")
+            except Exception as e:
+                logger.info("telling the engine ranks the channel closed: %s", e)
         broken = self.broken is not None  # a collective may wait on a dead peer
         self.broken = self.broken or "closed"
         if pg is not None:

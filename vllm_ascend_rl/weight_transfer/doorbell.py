@@ -106,6 +106,22 @@ class Doorbell:
             self._break(f"{what}: expected {key}={value!r} from the {self.peer}, got {msg}")
         return msg
 
+    def peer_gone(self) -> str | None:
+        """Why the peer is gone (it closed the connection or exited), or None; never waits
+        and reads nothing (a pending message stays for :meth:`recv`)."""
+        if self.broken:
+            return self.broken
+        if b"\n" in self._buf or not self._readable(0):
+            return None
+        try:
+            if not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return f"the {self.peer} closed the connection (did it exit?)"
+        except BlockingIOError:
+            return None
+        except OSError as e:
+            return f"the connection to the {self.peer} failed: {e}"
+        return None
+
     def _break(self, reason: str):
         self.broken = reason
         raise DoorbellError(reason)

@@ -1,10 +1,11 @@
 """Engine side both transports share: each engine class (``hccl.py``, ``npu_ipc.py``) binds the
 functions below "vLLM's engine methods" by name and keeps its state in an ``UpdateSession``.
 
-A transport provides ``init_transfer_engine`` and four steps: ``require_connected()``;
-``agree(verdict, reason, plan, info)``, the handshake, which raises unless every side goes
-ahead; ``buckets(plan)``, yielding ``(bucket, uint8 buffer)``; ``disconnect()``, called first
-when bytes may be out of step."""
+A transport provides ``init_transfer_engine``, which claims the channel for its trainer
+(``owner.py``, whose engine interface it implements, ``disconnect(why)`` included), and three
+steps: ``agree(verdict, reason, plan, info)``, the handshake, which raises unless every side
+goes ahead; ``buckets(plan)``, yielding ``(bucket, uint8 buffer)``; ``disconnect(why)``, called
+first when bytes may be out of step. Every method vLLM calls holds the engine's ``lock``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_ascend_rl.device import Device, device_for, worker_index
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
+from vllm_ascend_rl.weight_transfer.owner import require_owner, require_up
 from vllm_ascend_rl.weight_transfer.session import UpdateSession
 from vllm_ascend_rl.weight_transfer.validation import (
     WeightUpdateRefused,
@@ -88,7 +90,7 @@ def load_buckets(
     session: UpdateSession,
     buckets: Iterator[tuple[Bucket, torch.Tensor]],
     specs: list[TensorSpec],
-    disconnect: Callable[[], None],
+    disconnect: Callable[[str], None],
 ) -> None:
     """Load every bucket; a broken transfer disconnects first (nothing may wait behind a
     transfer on a dead peer) and raises TransferFailed saying how far it got."""
@@ -99,7 +101,7 @@ def load_buckets(
             received += bucket.nbytes
             del buf  # the transport reuses a buffer once nothing refers to it
     except Exception as e:
-        disconnect()
+        disconnect(f"a transfer failed: {type(e).__name__}: {e}")
         raise TransferFailed(
             f"weight transfer failed after {received} of {total_bytes(specs)} bytes "
             f"({type(e).__name__}: {e}). Call init_weight_transfer_engine again before the "
@@ -118,17 +120,24 @@ def parse_update_info(engine: Any, update_dict: Any) -> Any:
 
 
 def start_weight_update(engine: Any) -> None:
-    engine.require_connected()
-    engine.session.start()
+    with engine.lock:
+        require_up(engine)
+        engine.session.start()
 
 
 def finish_weight_update(engine: Any) -> None:
-    engine.session.finish()
+    with engine.lock:
+        engine.session.finish()
 
 
 def update_weights(engine: Any, update_info: Any) -> None:
     """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
     its error says what the model holds now."""
+    with engine.lock:
+        _update_weights(engine, update_info)
+
+
+def _update_weights(engine: Any, update_info: Any) -> None:
     try:
         WeightTransferEngine.update_weights(engine, update_info)
     except Exception as e:
@@ -150,7 +159,8 @@ def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: An
         )
     if legacy:
         raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
-    engine.require_connected()
+    require_up(engine)
+    require_owner(engine, update_info.trainer_id)
     engine.session.receive(update_info.weight_version)
     verdict, reason = vet_update(engine, update_info, engine.init_info)
     plan = plan_for(engine.init_info, update_info.specs, engine.alone_bytes)
@@ -159,17 +169,13 @@ def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: An
 
 
 def shutdown(engine: Any) -> None:
-    engine.session.cancel("the weight transfer engine was shut down")
-    engine.disconnect()
-    release_buffers(engine)
+    with engine.lock:
+        engine.session.cancel("the weight transfer engine was shut down")
+        engine.disconnect("the weight transfer engine was shut down")
+        release_buffers(engine)
 
 
 def release_buffers(engine: Any) -> None:
     """Give back the receive pool (e.g. before the engine sleeps)."""
-    engine.session.pool.release()
-
-
-def not_initialized(engine: Any) -> RuntimeError:
-    return RuntimeError(
-        f"{type(engine).__name__} is not initialized: call init_weight_transfer_engine first"
-    )
+    with engine.lock:
+        engine.session.pool.release()

@@ -4,6 +4,7 @@ gloo on CPU. The trainer side is :mod:`vllm_ascend_rl.weight_transfer.hccl_train
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Annotated, ClassVar
@@ -13,7 +14,6 @@ from pydantic import Field
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     WeightTransferEngine,
-    WeightTransferInitInfo,
 )
 
 from vllm_ascend_rl._registration import HCCL_BACKEND
@@ -30,9 +30,11 @@ from vllm_ascend_rl.weight_transfer.engine_side import (
     engine_setup,
     refused,
 )
+from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     CheckpointUpdateInfo,
+    EngineInitInfo,
     Verdict,
     WireParams,
     plan_signature,
@@ -59,7 +61,7 @@ class HCCLTrainerInitInfo(TrainerInitInfo, WireParams):
 
 
 @wire_dataclass
-class AscendRLHCCLWeightTransferInitInfo(WeightTransferInitInfo, WireParams):
+class AscendRLHCCLWeightTransferInitInfo(EngineInitInfo):
     """Engine-side init info; the trainer fills it in (rank 0 hosts the rendezvous)."""
 
     master_address: Annotated[str, Field(min_length=1)]
@@ -96,10 +98,15 @@ class AscendRLHCCLWeightTransferEngine(
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
         self.hw, self.session = engine_setup(self, device)
+        self.lock = threading.RLock()  # see owner.py
+        self.owner: Owner | None = None
         self.init_info: AscendRLHCCLWeightTransferInitInfo | None = None
         self.channel: BroadcastChannel | None = None
 
     def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
+        """Checks what it can at once, then connects on the owner's thread: the call returns
+        before the rendezvous, which has ``timeout_s`` from now (the trainer's handshake tells
+        it the outcome; a later call here says why it failed)."""
         check_init(self.vllm_config, init_info)
         rank = worker_index(self.parallel_config) + init_info.rank_offset
         if rank >= init_info.world_size:  # refused before any rendezvous: no wait
@@ -108,51 +115,63 @@ class AscendRLHCCLWeightTransferEngine(
                 f"{rank - init_info.rank_offset} (rank_offset={init_info.rank_offset}): "
                 "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
-        # Keep the live connection until this one is up: a stale trainer's init may fail.
+        with self.lock:
+            owner = claim(self, init_info.trainer_id, init_info.timeout_s)
+            self.session.reconnect(
+                init_info.on_failure,
+                init_info.packed_num_buffers,
+                init_info.packed_buffer_size_bytes,
+            )
+            self.init_info = init_info
+        serve(self, owner, lambda deadline: self._connect(init_info, rank, deadline))
+
+    def _connect(self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float):
+        """The rendezvous and the init handshake, both before ``deadline`` (owner's thread)."""
         channel = BroadcastChannel.open(
             self.hw,
-            init_info.master_address,
-            init_info.master_port,
+            info.master_address,
+            info.master_port,
             rank,
-            init_info.world_size,
-            init_info.timeout_s,
+            info.world_size,
+            info.timeout_s,
+            within_s=max(0.0, deadline - time.monotonic()),
         )
         try:
-            sig = wire_signature(init_info, DIRECT_BYTES)
-            _, same = channel.agree(Verdict.GO, sig, "init handshake")
+            sig = wire_signature(info, DIRECT_BYTES)
+            left = max(0.0, deadline - time.monotonic())
+            _, same = channel.agree(Verdict.GO, sig, "init handshake", timeout_s=left)
             if not same:
                 raise ValueError(
                     "trainer and engine disagree on the weight-transfer protocol or wire "
-                    f"parameters (engine: {init_info}); upgrade one side or re-run trainer_init"
+                    f"parameters (engine: {info}); upgrade one side or re-run trainer_init"
                 )
         except Exception:
             channel.close()
             raise
-        self.session.reconnect(
-            init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
-        )
-        self.disconnect()
-        self.channel, self.init_info = channel, init_info
         logger.info(
             "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
             rank,
-            init_info.world_size,
+            info.world_size,
             self.hw.collective_backend,
-            init_info.packed,
-            init_info.packed_buffer_size_bytes >> 20,
-            init_info.packed_num_buffers,
+            info.packed,
+            info.packed_buffer_size_bytes >> 20,
+            info.packed_num_buffers,
         )
+        return channel
 
-    def require_connected(self) -> None:
-        if self.channel is None or self.channel.broken:
-            raise engine_side.not_initialized(self)
+    def install(self, channel: BroadcastChannel) -> None:
+        self.channel = channel
+        channel.mark_up()  # the trainer's init returns once every rank has installed it
+
+    def peer_gone(self) -> str | None:
+        return None if self.channel is None else self.channel.peer_gone()
 
     def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info=None) -> None:
         """The update handshake; raises unless every rank goes ahead with the same plan."""
         try:
             outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
         except ChannelError as e:
-            self.disconnect()  # first: nothing may wait behind a collective on a dead peer
+            self.disconnect(str(e))  # first: nothing may wait behind a collective on a dead peer
             if reason is not None:  # an update_weights no trainer takes part in
                 raise WeightUpdateRefused(f"{reason} (and no trainer joined: {e})") from e
             raise TransferFailed(f"the trainer did not join the update: {e}") from e
@@ -185,7 +204,10 @@ class AscendRLHCCLWeightTransferEngine(
         if start + buf.numel() == bucket.nbytes:
             yield bucket, whole
 
-    def disconnect(self) -> None:
+    def disconnect(self, why: str) -> None:
+        """Close the owner's connection (any thread, lock held); the owner is GONE."""
+        if self.owner is not None:
+            self.owner.end(OwnerState.GONE, why)
         channel, self.channel = self.channel, None
         if channel is None:
             return

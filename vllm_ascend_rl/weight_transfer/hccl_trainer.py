@@ -3,6 +3,7 @@ broadcasts; other ranks only iterate the source (its gathers are collectives).""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import asdict
 from typing import Self
@@ -30,6 +31,7 @@ from vllm_ascend_rl.weight_transfer.hccl import (
     AscendRLHCCLWeightTransferUpdateInfo,
     HCCLTrainerInitInfo,
 )
+from vllm_ascend_rl.weight_transfer.owner import trainer_id
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
@@ -82,16 +84,20 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         self.channel = None
 
     def _connect(self) -> BroadcastChannel:
+        """Rendezvous and init handshake with every engine worker, within ``timeout_s``. The
+        engine's init call answers once it has checked the request (a refusal, e.g. another
+        trainer owns the channel, ends this at once); the handshake is where both sides learn
+        the connection is up."""
         info = self.init_info
+        deadline = time.monotonic() + info.timeout_s
         check_world_size(self.client, info.world_size)
         worker_info = AscendRLHCCLWeightTransferInitInfo(
             master_address=info.master_address,
             master_port=info.master_port,
             world_size=info.world_size,
+            trainer_id=trainer_id(),
             **wire_params(info),
         )
-        # The engine blocks in /init_weight_transfer_engine until the group forms, and rank 0
-        # (us) hosts the rendezvous: both must run at once, and either may fail first.
         init_call = BackgroundCall(
             "init_weight_transfer_engine",
             self.client.init_weight_transfer_engine,
@@ -107,17 +113,27 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             info.world_size,
             info.timeout_s,
         )
-        while not opening.wait(0.05):  # BroadcastChannel.open gives up after timeout_s
+        while not opening.wait(0.05):
             init_call.raise_if_failed()
+            if time.monotonic() > deadline:  # the engine gives up at its own deadline too
+                raise WeightSyncError(
+                    f"rendezvous: not every engine worker joined at {info.master_address}:"
+                    f"{info.master_port} within timeout_s={info.timeout_s:g}s"
+                )
         channel = opening.result(0)
         try:
             sig = wire_signature(info, DIRECT_BYTES)
-            _, same = channel.agree(Verdict.GO, sig, "init handshake", init_call.raise_if_failed)
+            left = max(0.0, deadline - time.monotonic())
+            _, same = channel.agree(
+                Verdict.GO, sig, "init handshake", init_call.raise_if_failed, timeout_s=left
+            )
             if not same:
                 raise WeightSyncError(
-                    f"engine rejected the wire parameters: {init_call.failure(info.timeout_s)}"
+                    "trainer and engine disagree on the weight-transfer protocol or wire "
+                    "parameters: upgrade one side"
                 )
-            init_call.result(info.timeout_s)
+            init_call.result(max(0.0, deadline - time.monotonic()))
+            channel.wait_up(deadline - time.monotonic())  # every engine rank can use it now
         except Exception:
             channel.close()
             raise

@@ -10,6 +10,7 @@ acknowledges. Handles are JSON fields of ``update_weights``, never pickled (no
 
 from __future__ import annotations
 
+import threading
 from dataclasses import field
 from typing import Annotated, Any, ClassVar
 
@@ -18,7 +19,6 @@ from pydantic import Field
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     WeightTransferEngine,
-    WeightTransferInitInfo,
 )
 
 from vllm_ascend_rl._registration import NPU_IPC_BACKEND
@@ -29,10 +29,12 @@ from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup, refused
+from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,
     CheckpointUpdateInfo,
+    EngineInitInfo,
     NumBuffers,
     Verdict,
     WireParams,
@@ -61,7 +63,7 @@ class NPUIPCTrainerInitInfo(TrainerInitInfo, WireParams):
 
 
 @wire_dataclass
-class AscendRLNPUIPCWeightTransferInitInfo(WeightTransferInitInfo, WireParams):
+class AscendRLNPUIPCWeightTransferInitInfo(EngineInitInfo):
     """Engine-side init info; the trainer fills it in."""
 
     doorbells: Annotated[dict[str, str], Field(min_length=1)]  # chip -> that rank's doorbell
@@ -104,6 +106,8 @@ class AscendRLNPUIPCWeightTransferEngine(
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
         self.hw, self.session = engine_setup(self, device)
+        self.lock = threading.RLock()  # see owner.py
+        self.owner: Owner | None = None
         self.init_info: AscendRLNPUIPCWeightTransferInitInfo | None = None
         self.doorbell: Doorbell | None = None
         self._mapped: dict[str, ImportedBuffer] = {}  # handle id -> mapping, imported once
@@ -111,6 +115,8 @@ class AscendRLNPUIPCWeightTransferEngine(
         self._ring: list[ImportedBuffer] = []
 
     def init_transfer_engine(self, init_info: AscendRLNPUIPCWeightTransferInitInfo) -> None:
+        """Connects to this chip's trainer rank, which listens already (a local socket: it
+        answers at once or refuses), then watches it on the owner's thread."""
         check_init(self.vllm_config, init_info)
         rank, here = worker_index(self.parallel_config), self.hw.location()
         address = init_info.doorbells.get(here["chip"])
@@ -120,8 +126,24 @@ class AscendRLNPUIPCWeightTransferEngine(
                 f"on chips {sorted(init_info.doorbells)}): NPU IPC needs a trainer rank on "
                 "every chip that hosts an engine worker; use the hccl backend otherwise."
             )
-        doorbell = Doorbell.connect(address, init_info.timeout_s)
-        doorbell.send(hello=rank, wire=wire_signature(init_info, None), location=here)
+        with self.lock:
+            owner = claim(self, init_info.trainer_id, init_info.timeout_s)
+            try:
+                doorbell = self._connect(init_info, rank, here, address)
+            except Exception as e:
+                owner.end(OwnerState.FAILED, f"{type(e).__name__}: {e}")
+                raise
+            self.session.reconnect(
+                init_info.on_failure,
+                init_info.packed_num_buffers,
+                init_info.packed_buffer_size_bytes,
+            )
+            self.init_info, self.doorbell, owner.state = init_info, doorbell, OwnerState.UP
+        serve(self, owner)
+
+    def _connect(self, info, rank: int, here: dict, address: str) -> Doorbell:
+        doorbell = Doorbell.connect(address, info.timeout_s)
+        doorbell.send(hello=rank, wire=wire_signature(info, None), location=here)
         try:
             reply = doorbell.recv("init handshake")
             if not reply.get("welcome"):
@@ -129,24 +151,18 @@ class AscendRLNPUIPCWeightTransferEngine(
         except Exception:
             doorbell.close()
             raise
-        # Only now: a failed init leaves the live connection alone.
-        self.session.reconnect(
-            init_info.on_failure, init_info.packed_num_buffers, init_info.packed_buffer_size_bytes
-        )
-        self.disconnect()
-        self.doorbell, self.init_info = doorbell, init_info
         logger.info(
             "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d, zero_copy=%s",
             rank,
-            init_info.packed,
-            init_info.packed_buffer_size_bytes >> 20,
-            init_info.packed_num_buffers,
-            init_info.zero_copy,
+            info.packed,
+            info.packed_buffer_size_bytes >> 20,
+            info.packed_num_buffers,
+            info.zero_copy,
         )
+        return doorbell
 
-    def require_connected(self) -> None:
-        if self.doorbell is None or self.doorbell.broken:
-            raise engine_side.not_initialized(self)
+    def peer_gone(self) -> str | None:
+        return None if self.doorbell is None else self.doorbell.peer_gone()
 
     def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info) -> None:
         """The update handshake over the doorbell: this worker's verdict (after mapping the
@@ -240,7 +256,10 @@ class AscendRLNPUIPCWeightTransferEngine(
                 "loader keeps what it is given, so init with zero_copy=False"
             )
 
-    def disconnect(self) -> None:
+    def disconnect(self, why: str) -> None:
+        """Close the doorbell and unmap the trainer's ring (any thread, lock held)."""
+        if self.owner is not None:
+            self.owner.end(OwnerState.GONE, why)
         if self.doorbell is not None:
             self.doorbell.close()
             self.doorbell = None

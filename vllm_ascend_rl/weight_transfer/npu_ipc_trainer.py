@@ -49,6 +49,7 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferUpdateInfo,
     NPUIPCTrainerInitInfo,
 )
+from vllm_ascend_rl.weight_transfer.owner import trainer_id
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
@@ -183,6 +184,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
             zero_copy=info.zero_copy,
+            trainer_id=trainer_id(),
             **wire_params(info),
         )
         acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
-from vllm.distributed.weight_transfer.base import WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.base import WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from vllm_ascend_rl.weight_transfer.buckets import (
     ALIGN_BYTES,
@@ -21,9 +21,10 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     dtype_name,
     plan_buckets,
 )
+from vllm_ascend_rl.weight_transfer.owner import trainer_id
 from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
-PROTOCOL_VERSION = 6  # bump when what travels, or what is signed, changes
+PROTOCOL_VERSION = 7  # bump when what travels, or what is signed, changes
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_TIMEOUT_S = 24 * 3600.0
 
@@ -53,6 +54,14 @@ class WireParams:
 
 
 WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
+
+
+@wire_dataclass
+class EngineInitInfo(WeightTransferInitInfo, WireParams):
+    """What every engine-side init info carries: the wire parameters and which trainer sends
+    it (the channel's owner-to-be, owner.py)."""
+
+    trainer_id: str = ""
 
 
 def parse_wire(cls: type, body: Any, what: str) -> Any:
@@ -118,6 +127,7 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     weight_version: str | None = None
+    trainer_id: str = ""  # who sends it: only the channel's owner may (owner.py)
 
     def __post_init__(self) -> None:
         _ = self.specs  # malformed metadata is refused at construction, as vLLM's infos are
@@ -129,6 +139,7 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     @staticmethod
     def fields_from_specs(specs: list[TensorSpec]) -> dict[str, Any]:
         return {
+            "trainer_id": trainer_id(),
             "names": [s.name for s in specs],
             "dtype_names": [dtype_name(s.dtype) for s in specs],
             "shapes": [list(s.shape) for s in specs],
