@@ -7,6 +7,8 @@ v2 reference and one trainer serve the whole module.
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import pytest
@@ -14,9 +16,9 @@ import requests
 
 from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers
 from tests.support import StreamingCompletion, greedy_token_ids
-from tests.support.tiny_model import TinyModelSpec, parameter_shapes
+from tests.support.tiny_model import TinyModelSpec, build_tiny_model, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
-from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
 pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)]
 
@@ -250,6 +252,32 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe  # cancels the update
         assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
         self.assert_alive_and_intact(engine, v1_probe)
+
+    @pytest.mark.parametrize("case", ["missing_path", "other_shape", "truncated_file"])
+    def test_reload_from_disk_is_checked_before_the_model_is_touched(
+        self, engine, models, on_v1, v1_probe, tmp_path, case
+    ):
+        """``reload_weights`` (the level-2 sleep recipe's step) from a path that is not there,
+        a checkpoint of another shape, or a file cut short: a clear error, the old weights."""
+        if case == "missing_path":
+            path, words = tmp_path / "nowhere", "does not exist on the server"
+        elif case == "other_shape":
+            path = build_tiny_model(TinyModelSpec(intermediate_size=384), cache_dir=tmp_path)
+            words = "shape [128, 384] does not match the model's [128, 256]"
+        else:
+            path = shutil.copytree(models[1], tmp_path / "cut")
+            file = path / "model.safetensors"
+            os.truncate(file, file.stat().st_size - 1024)
+            words = "incomplete metadata"
+        with pytest.raises(EngineControlError, match="reload_weights") as e:
+            EngineControlClient(engine.url).reload_weights(str(path))
+        assert words in str(e.value), e.value
+        self.assert_alive_and_intact(engine, v1_probe)
+
+    def test_reload_from_disk_loads_a_fitting_checkpoint(self, engine, reference, models, on_v1):
+        EngineControlClient(engine.url).reload_weights(str(models[1]))
+        v2_probe = greedy_token_ids(reference.url, PROBE, 24)
+        assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
 
 
 def _tiny_update(trainer_id: str) -> dict:

@@ -32,11 +32,17 @@ class ExpectedParam:
     required: bool = True
 
 
-def _safetensors_params(model_dir: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The ``*.safetensors`` files of a checkpoint directory (none if it is not one)."""
+    return sorted(glob.glob(os.path.join(glob.escape(model_dir), "*.safetensors")))
+
+
+def checkpoint_params(files: list[str]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every tensor's dtype and shape, from the files' headers (no tensor is read)."""
     from safetensors import safe_open
 
     out = {}
-    for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+    for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 sl = f.get_slice(name)
@@ -65,7 +71,7 @@ def expected_params(model_config) -> dict[str, ExpectedParam] | None:
     source = model_config.model
     params: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     if os.path.isdir(source):
-        params = _safetensors_params(source)
+        params = checkpoint_params(checkpoint_files(source))
     if not params:
         try:
             from transformers import AutoModelForCausalLM

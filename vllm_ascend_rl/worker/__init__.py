@@ -90,7 +90,14 @@ class SleepableMixin:
         self._needs_reload = False
 
     def reload_weights(self, *args: Any, **kwargs: Any) -> None:
-        super().reload_weights(*args, **kwargs)
+        """From a checkpoint directory (``weights_path=``, the HTTP form): checked first and
+        undone on failure (:mod:`.disk_reload`); any other form is vLLM's."""
+        if set(kwargs) == {"weights_path"} and not args:
+            from vllm_ascend_rl.worker.disk_reload import reload_from_disk
+
+            reload_from_disk(self, kwargs["weights_path"], keep_old=not self._needs_reload)
+        else:
+            super().reload_weights(*args, **kwargs)
         self._needs_reload = False
 
     def memory_in_use(self) -> dict[str, int]:
