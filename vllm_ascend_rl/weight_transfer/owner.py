@@ -39,10 +39,7 @@ class OwnerState(Enum):
     GONE = "disconnected"
 
 
-class ChannelOwned(ValueError):
-    """An init from a trainer other than the channel's live owner; nothing changed."""
-
-
+ANONYMOUS = "(anonymous)"  # the trainer of an init or update that names none (by hand)
 _identity: tuple[int, str] = (0, "")
 
 
@@ -59,7 +56,7 @@ class Owner:
     """One trainer's claim on the channel (the engine holds the connection)."""
 
     def __init__(self, trainer: str, timeout_s: float) -> None:
-        self.trainer = trainer or "(anonymous)"
+        self.trainer = trainer or ANONYMOUS
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.since = time.strftime("%H:%M:%S")
@@ -81,13 +78,13 @@ class Owner:
 
 
 def claim(engine: Any, trainer: str, timeout_s: float) -> Owner:
-    """At init, on the worker thread: refuse (ChannelOwned) if another trainer owns the channel,
-    else end the current connection and make ``trainer`` the owner, CONNECTING."""
+    """At init, on the worker thread: refuse (ValueError, nothing changed) if another trainer
+    owns the channel, else end the current connection and make ``trainer`` the owner."""
     current: Owner | None = engine.owner
     if current is not None and current.state is OwnerState.UP:
         _check_peer(engine)
-    if current is not None and current.live() and current.trainer != (trainer or "(anonymous)"):
-        raise ChannelOwned(
+    if current is not None and current.live() and current.trainer != (trainer or ANONYMOUS):
+        raise ValueError(
             f"refused init_weight_transfer_engine: the weight channel belongs to "
             f"{current.describe()}. It is released when that trainer shuts its engine down or "
             "exits (the engine notices at once); until then only it may re-init"
@@ -164,9 +161,9 @@ def require_up(engine: Any) -> None:
 def require_owner(engine: Any, trainer: str) -> None:
     """Refuse, at once, an update that the channel's owner did not send."""
     owner: Owner = engine.owner
-    if (trainer or "(anonymous)") != owner.trainer:
+    if (trainer or ANONYMOUS) != owner.trainer:
         raise ValueError(
-            f"this update comes from trainer {trainer or '(anonymous)'}, but the weight channel "
+            f"this update comes from trainer {trainer or ANONYMOUS}, but the weight channel "
             f"belongs to {owner.describe()}: only the trainer that made the channel may "
             "update through it"
         )
