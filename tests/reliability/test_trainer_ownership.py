@@ -50,15 +50,19 @@ def unreachable(kind: str):
         from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
 
         port = free_port()
-        rank0 = threading.Thread(
-            target=lambda: contextlib.suppress(Exception)(BroadcastChannel.open)(
-                get_device("cpu"), "127.0.0.1", port, 0, 3, TIMEOUT_S
-            ),
-            daemon=True,
-        )
+        joined: list[str] = []
+
+        def host_rank0() -> None:
+            try:
+                BroadcastChannel.open(get_device("cpu"), "127.0.0.1", port, 0, 3, TIMEOUT_S)
+            except Exception as e:  # expected: rank 2 never comes
+                joined.append(str(e))
+
+        rank0 = threading.Thread(target=host_rank0, daemon=True)
         rank0.start()
         yield {"master_address": "127.0.0.1", "master_port": port, "world_size": 3}
         rank0.join(TIMEOUT_S * 3)
+        assert joined and "rank 0 of 3" in joined[0], joined  # rank 0 waited, and gave up
 
 
 def _post(url: str, route: str, body: dict) -> requests.Response:
