@@ -116,13 +116,7 @@ class AscendRLHCCLWeightTransferEngine(
                 "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
         with self.lock:
-            owner = claim(self, init_info.trainer_id, init_info.timeout_s)
-            self.session.reconnect(
-                init_info.on_failure,
-                init_info.packed_num_buffers,
-                init_info.packed_buffer_size_bytes,
-            )
-            self.init_info = init_info
+            owner = claim(self, init_info)
         serve(self, owner, lambda deadline: self._connect(init_info, rank, deadline))
 
     def _connect(self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float):

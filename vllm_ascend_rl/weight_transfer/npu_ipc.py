@@ -127,18 +127,13 @@ class AscendRLNPUIPCWeightTransferEngine(
                 "every chip that hosts an engine worker; use the hccl backend otherwise."
             )
         with self.lock:
-            owner = claim(self, init_info.trainer_id, init_info.timeout_s)
+            owner = claim(self, init_info)
             try:
                 doorbell = self._connect(init_info, rank, here, address)
             except Exception as e:
                 owner.end(OwnerState.FAILED, f"{type(e).__name__}: {e}")
                 raise
-            self.session.reconnect(
-                init_info.on_failure,
-                init_info.packed_num_buffers,
-                init_info.packed_buffer_size_bytes,
-            )
-            self.init_info, self.doorbell, owner.state = init_info, doorbell, OwnerState.UP
+            self.doorbell, owner.state = doorbell, OwnerState.UP
         serve(self, owner)
 
     def _connect(self, info, rank: int, here: dict, address: str) -> Doorbell:

@@ -43,6 +43,10 @@ ANONYMOUS = "(anonymous)"  # the trainer of an init or update that names none (b
 _identity: tuple[int, str] = (0, "")
 
 
+def _named(trainer: str) -> str:
+    return trainer or ANONYMOUS
+
+
 def trainer_id() -> str:
     """This process's identity as a trainer (host, pid, random), new in a forked child."""
     global _identity
@@ -56,7 +60,7 @@ class Owner:
     """One trainer's claim on the channel (the engine holds the connection)."""
 
     def __init__(self, trainer: str, timeout_s: float) -> None:
-        self.trainer = trainer or ANONYMOUS
+        self.trainer = _named(trainer)
         self.deadline = time.monotonic() + timeout_s
         self.timeout_s = timeout_s
         self.since = time.strftime("%H:%M:%S")
@@ -77,20 +81,25 @@ class Owner:
         return text + (f": {self.why})" if self.why else ")")
 
 
-def claim(engine: Any, trainer: str, timeout_s: float) -> Owner:
-    """At init, on the worker thread: refuse (ValueError, nothing changed) if another trainer
-    owns the channel, else end the current connection and make ``trainer`` the owner."""
+def claim(engine: Any, info: Any) -> Owner:
+    """At init, on the worker thread (lock held): refuse (ValueError, nothing changed) if
+    another trainer owns the channel; else end the current connection, make ``info``'s trainer
+    the owner (CONNECTING) and give the session the init's parameters."""
     current: Owner | None = engine.owner
     if current is not None and current.state is OwnerState.UP:
         _check_peer(engine)
-    if current is not None and current.live() and current.trainer != (trainer or ANONYMOUS):
+    if current is not None and current.live() and current.trainer != _named(info.trainer_id):
         raise ValueError(
             f"refused init_weight_transfer_engine: the weight channel belongs to "
             f"{current.describe()}. It is released when that trainer shuts its engine down or "
             "exits (the engine notices at once); until then only it may re-init"
         )
     engine.disconnect("replaced by a new init_weight_transfer_engine")
-    engine.owner = Owner(trainer, timeout_s)
+    engine.owner = Owner(info.trainer_id, info.timeout_s)
+    engine.session.reconnect(
+        info.on_failure, info.packed_num_buffers, info.packed_buffer_size_bytes
+    )
+    engine.init_info = info
     return engine.owner
 
 
@@ -161,9 +170,9 @@ def require_up(engine: Any) -> None:
 def require_owner(engine: Any, trainer: str) -> None:
     """Refuse, at once, an update that the channel's owner did not send."""
     owner: Owner = engine.owner
-    if (trainer or ANONYMOUS) != owner.trainer:
+    if _named(trainer) != owner.trainer:
         raise ValueError(
-            f"this update comes from trainer {trainer or ANONYMOUS}, but the weight channel "
+            f"this update comes from trainer {_named(trainer)}, but the weight channel "
             f"belongs to {owner.describe()}: only the trainer that made the channel may "
             "update through it"
         )
