@@ -56,6 +56,8 @@ clean:
 # The benchmarks use the test kit (tests/support, and examples/plumbing through it), which is
 # not installed: PYTHONPATH=.
 bench: $(STAMP)
+	@# matplotlib (the "bench" extra) draws the charts into benchmarks/charts/; not a test need.
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet matplotlib
 	@# Every script runs, even after one reports a target NOT met; make fails at the end.
 	@status=0; for b in weight_sync ipc_sync sleep_wake scheduler_overhead \
 	    pause_latency scale_out; do \

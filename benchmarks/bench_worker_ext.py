@@ -57,10 +57,10 @@ class WeightSyncBenchExtension:
         try:
             session.receive(None)
             for bucket, buf in kept:
-                session.load(bucket, buf)
+                session.load(bucket, buf, 0.0)
             session.loaded()
-        except BaseException:
-            session.fail()
+        except BaseException as e:
+            session.fail(e)
             raise
         session.finish()
         return time.perf_counter() - t0

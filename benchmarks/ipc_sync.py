@@ -32,6 +32,7 @@ from bench_common import (
     trainer_engine,
     transport_s,
 )
+from charts import ipc_sync_chart
 from rounds import Target, interleaved, median, report, spread
 
 import vllm_ascend_rl
@@ -133,6 +134,7 @@ def main() -> int:
         f"{cell('ipc')} | {cell('hccl')} | {faster.median:.2f} ±{faster.spread:.2f} |"
     )
     print(f"\n(informative) {flat.line()}")
+    ipc_sync_chart(runs, nbytes / 1e9, args.rounds)
     return report([bound, faster])
 
 

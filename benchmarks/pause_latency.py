@@ -26,6 +26,7 @@ import time
 
 import requests
 from bench_common import MEDIUM_SPEC
+from charts import pause_chart
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 from tests.support import (
@@ -138,6 +139,7 @@ def main() -> int:
                 f"{t.median:.2f} ±{t.spread:.2f} |"
             )
     print(f"\n(every pause includes vLLM's fixed {UPSTREAM_SLEEP_MS:.0f} ms sleep)")
+    pause_chart(runs, args.rounds, UPSTREAM_SLEEP_MS)
     return report(targets)
 
 

@@ -34,6 +34,7 @@ from functools import partial
 
 import psutil
 import torch
+from charts import sleep_wake_chart
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 from vllm_ascend_rl.device import get_device
@@ -129,7 +130,7 @@ def main() -> int:
         "| freed GiB | freed / KV | same address |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    targets = []
+    targets, by_size = [], {}
     for gib in args.sizes_gib:
         kv_bytes = gib * GiB
         camem, naive_cycle = CaMemCycle(kv_bytes), NaiveCycle(kv_bytes)
@@ -143,6 +144,7 @@ def main() -> int:
         finally:
             camem.close()
             naive_cycle.close()
+        by_size[gib] = runs
         naive = [r["wake"] for r in runs["naive free + zeros"]]
         for name, rows in runs.items():
             col = {k: [r[k] for r in rows] for k in rows[0]}
@@ -161,6 +163,7 @@ def main() -> int:
                 targets.append(
                     Target.of(f"{gib} GiB {name} KV wake / naive", col["wake"], naive, 1.0)
                 )
+    sleep_wake_chart(by_size, args.rounds)
     return report(targets)
 
 

@@ -42,6 +42,7 @@ from bench_common import (
     trainer_engine,
     transport_s,
 )
+from charts import weight_sync_chart
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
 import vllm_ascend_rl
@@ -218,6 +219,7 @@ def main() -> int:
         f"\nmany small tensors: packed {median(p):.3f} ±{spread(p):.3f} s, per-tensor "
         f"{median(t):.3f} ±{spread(t):.3f} s"
     )
+    weight_sync_chart(runs, small_runs, gb, args.rounds)
     return report([*targets, small_target])
 
 

@@ -5,11 +5,14 @@ carry the server's message."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import requests
+
+from vllm_ascend_rl import metrics
 
 PauseMode = Literal["abort", "wait", "keep"]
 
@@ -180,13 +183,17 @@ class EngineControlClient:
     ) -> None:
         """``POST /pause``; returns once every engine's pause is complete. ``keep`` with
         ``clear_cache=True`` (vLLM's default) preempts running requests so they recompute with
-        the weights loaded at resume; ``clear_cache=False`` keeps their (then stale) KV cache."""
+        the weights loaded at resume; ``clear_cache=False`` keeps their (then stale) KV cache.
+        A completed pause counts in :mod:`vllm_ascend_rl.metrics` (``pause_seconds``)."""
+        started = time.perf_counter()
         self._fan_out(
             "POST",
             "/pause",
             {"mode": mode, "clear_cache": str(clear_cache).lower()},
             timeout_s=timeout_s,
         )
+        took = time.perf_counter() - started
+        metrics.record({"pauses": 1, "pause_seconds": took}, mode=mode)
 
     def resume(self) -> None:
         self._fan_out("POST", "/resume")

@@ -156,6 +156,42 @@ class WeightSyncServers:
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe, "weights changed"
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_text(text: str) -> Samples:
+    """Every ``vllm_ascend_rl_*`` sample of a Prometheus text page, by (name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (s.name.removeprefix("vllm_ascend_rl_"), tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("vllm_ascend_rl_") and s.name.endswith("_total")
+    }
+
+
+def scrape(url: str) -> Samples:
+    return scrape_text(requests.get(url + "/metrics", timeout=30).text)
+
+
+def series(samples: Samples, name: str) -> list[dict[str, str]]:
+    return [dict(labels) for (n, labels) in samples if n == f"{name}_total"]
+
+
+def added(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    """How much counter ``name`` grew over every series with ``labels`` (workers summed)."""
+
+    def total(samples: Samples) -> float:
+        return sum(
+            v
+            for (n, ls), v in samples.items()
+            if n == f"{name}_total" and labels.items() <= dict(ls).items()
+        )
+
+    return total(after) - total(before)
+
+
 class WeightSyncCases(WeightSyncServers):
     # -- the seed's RL e2e -------------------------------------------------------------
     @pytest.mark.parametrize("wire", list(WIRES))
@@ -194,6 +230,32 @@ class WeightSyncCases(WeightSyncServers):
         self.assert_alive_and_intact(engine, v1_probe)
         trainer.send(weight_version="v2")  # a refusal leaves the connection usable
         assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+
+    def test_metrics_count_each_update_by_result(self, engine, trainer, on_v1, v1_probe):
+        """The engine's /metrics (the API server reads its workers' counters) and the
+        trainer's registry: a sync adds its bytes and an ``ok``; a refused one adds a refusal
+        with its cause and no bytes."""
+        ours = {"side": "engine", "backend": self.backend}
+        before = scrape(engine.url)
+        self.init(trainer, engine)
+        sync = trainer.send(weight_version="v2")
+        after = scrape(engine.url)
+        assert added(before, after, "weight_update_bytes", **ours) == sync["bytes"] > 0
+        assert added(before, after, "weight_updates", **ours, result="ok", cause="") == 1
+        assert added(before, after, "weight_update_load_seconds", **ours) > 0
+        assert added(before, after, "weight_update_transport_seconds", **ours) > 0
+        assert {labels["worker"] for labels in series(after, "weight_updates")} == {"0"}
+        with pytest.raises(TrainerError, match="refused"):
+            trainer.send(**BAD_METADATA["oversized_shape"][0])
+        refused = scrape(engine.url)
+        cause = {"result": "refused", "cause": "invalid_weights"}
+        assert added(after, refused, "weight_updates", **ours, **cause) == 1
+        assert added(after, refused, "weight_update_bytes", **ours) == 0
+        trained = scrape_text(trainer.metrics())
+        sent = {"side": "trainer", "backend": self.backend}
+        assert added({}, trained, "weight_updates", **sent, result="ok", cause="") >= 1
+        assert added({}, trained, "weight_updates", **sent, result="refused") >= 1
+        assert added({}, trained, "weight_update_bytes", **sent) >= sync["bytes"]
 
     def test_partial_update_keeps_the_layers_it_leaves_out(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path

@@ -163,6 +163,10 @@ class TrainerProcess:
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))
 
+    def metrics(self) -> str:
+        """The trainer process's counters in Prometheus text form (metrics.py)."""
+        return self.request("metrics")
+
     def registered_engines(self) -> dict[str, list[str]]:
         """The names in vLLM's weight-transfer factories of this process, which ran every
         general plugin as a vLLM process does: ``{"engine": [...], "trainer": [...]}``."""
@@ -313,6 +317,14 @@ def _serve(
                 from vllm_ascend_rl.weight_transfer.owner import trainer_id
 
                 reply(True, {"pid": os.getpid(), "trainer_id": trainer_id()})
+            elif cmd == "metrics":  # the trainer's counters, as a user's registry shows them
+                from prometheus_client import CollectorRegistry, generate_latest
+
+                from vllm_ascend_rl.metrics import register_trainer_metrics
+
+                registry = CollectorRegistry()
+                register_trainer_metrics(registry)
+                reply(True, generate_latest(registry).decode())
             elif cmd == "exit":
                 for engine in engines.values():
                     engine.shutdown()

@@ -76,7 +76,8 @@ def worker_cls(monkeypatch):
 
 def _config(enable_sleep_mode: bool = False):
     return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(enable_sleep_mode=enable_sleep_mode)
+        model_config=types.SimpleNamespace(enable_sleep_mode=enable_sleep_mode),
+        parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
     )
 
 

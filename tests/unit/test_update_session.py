@@ -32,13 +32,13 @@ class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module d
     def finish(self, model_config) -> None:
         self.calls.append("finish")
 
-    def abort(self, model_config) -> tuple[int, int]:
+    def abort(self, model_config) -> tuple[int, int, int]:
         self.calls.append("abort")
-        return self.restored, self.kept
+        return self.restored, self.kept, 0
 
 
 def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSession:
-    s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), workers_on_host=1)
+    s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), 1, "test")
     s.reconnect("hold" if hold else "restore", buffers=2, bucket_bytes=1 << 18)
     s.reload = RecordingReload(kept, restored)
     return s
@@ -50,8 +50,8 @@ def fire(s: UpdateSession, event: Event) -> None:
         Event.RECEIVE: lambda: s.receive("v2"),
         Event.LOADED: s.loaded,
         Event.FINISH: s.finish,
-        Event.FAIL: s.fail,
-        Event.CANCEL: lambda: s.cancel("a test cancelled it"),
+        Event.FAIL: lambda: s.fail(RuntimeError("a test failed it")),
+        Event.CANCEL: lambda: s.cancel("a test cancelled it", "test"),
     }[event]()
 
 
@@ -129,7 +129,10 @@ def test_a_failed_restore_update_says_what_was_restored():
     s = session(restored=3)
     for event in PATHS[State.RECEIVING]:
         fire(s, event)
-    assert s.fail() == "model unchanged (the old weights were restored in 3 layer(s))"
+    assert (
+        s.fail(RuntimeError("test"))
+        == "model unchanged (the old weights were restored in 3 layer(s))"
+    )
     assert s.not_whole() is None
 
 
@@ -139,7 +142,7 @@ def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
     assert s.reload.calls == ["begin(keep_old=False)"]  # no backup of the old weights
     s.receive("v2-partial")
     assert "loading (on_failure=hold)" in s.not_whole()  # a resume now would mix versions
-    state = s.fail()
+    state = s.fail(RuntimeError("test"))
     assert "of version 'v2-partial' failed after 2 layer(s)" in state
     assert s.not_whole() == s.mixed and s.state is State.IDLE
     with pytest.raises(RuntimeError, match="refusing to run the model"):

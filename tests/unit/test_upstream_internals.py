@@ -352,7 +352,7 @@ def test_load_numel(reloading):
         "vLLM's LayerReloadingInfo.load_numel no longer counts the elements a layer received: "
         "weight_transfer/reload.py (abort) tells a partial layer by it"
     )
-    assert reload.abort(None) == (1, 0)
+    assert reload.abort(None) == (1, 0, (12 + 3) * 4)  # a restored: its float32 bytes
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, old[n][0])]
     assert not changed, (
         f"an aborted update left {changed} changed: vLLM's finalize no longer puts a layer's "
@@ -583,7 +583,9 @@ def test_sleep_mode_backend(tiny_model):
         "vLLM's ModelConfig.sleep_mode_backend is gone or changed its default: "
         "worker/__init__.py (attach_sleep_backend) selects ours through it"
     )
-    worker = types.SimpleNamespace(vllm_config=types.SimpleNamespace(model_config=model_config))
+    parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
+    config = types.SimpleNamespace(model_config=model_config, parallel_config=parallel)
+    worker = types.SimpleNamespace(vllm_config=config)
     backend = attach_sleep_backend(worker)
     assert isinstance(backend, CaMemSleepBackend), (
         "vLLM's SleepModeBackendFactory.create_backend no longer builds the backend "

@@ -64,6 +64,14 @@ def current_index() -> int:
     return _torch_npu().npu.current_device()
 
 
+def chips_and_cann() -> tuple[int, str]:
+    """The NPUs this process sees (``torch.npu.device_count``, torch_npu ``npu/__init__.py:437``)
+    and the CANN version (``torch_npu.npu.utils.get_cann_version("CANN")``, ``utils.py:37-45``),
+    for the doctor."""
+    torch_npu = _torch_npu()
+    return torch_npu.npu.device_count(), str(torch_npu.npu.utils.get_cann_version("CANN"))
+
+
 def _torch_npu():
     try:
         import torch_npu

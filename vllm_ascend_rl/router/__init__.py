@@ -14,15 +14,17 @@ import argparse
 import asyncio
 import itertools
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError, EnginesDisagree
+from vllm_ascend_rl.metrics import Collector, Labels
 from vllm_ascend_rl.router.stitch import (
     Completion,
     Piece,
@@ -211,6 +213,19 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     @app.get("/router/stats")
     async def stats() -> dict:
         return {"requests": engines.requests, "resends": engines.resends, "engines": engines.urls}
+
+    def rows() -> Iterator[tuple[str, Labels, float]]:
+        for url, n in engines.requests.items():
+            yield "router_requests", (("engine", url),), n
+        yield "router_resends", (), engines.resends
+
+    registry = CollectorRegistry()
+    registry.register(Collector(rows))
+
+    @app.get("/router/metrics")
+    async def router_metrics() -> Response:
+        """The router's counters in Prometheus form (``/metrics`` is an engine's)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     async def fan_out(request: Request) -> Response:
         """A control route on every engine (see the module docstring)."""

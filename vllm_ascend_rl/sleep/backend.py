@@ -4,8 +4,11 @@ the KV cache; 2 releases everything, and the weights must be reloaded after waki
 
 from __future__ import annotations
 
+import time
+
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
+from vllm_ascend_rl import metrics
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
@@ -18,10 +21,16 @@ class CaMemSleepBackend(SleepModeBackend):
         return CaMemAllocator.get_instance()
 
     def suspend(self, level: int = 1) -> None:
+        started = time.perf_counter()
         self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+        took = time.perf_counter() - started
+        metrics.record({"sleeps": 1, "sleep_seconds": took}, level=str(level))
 
     def resume(self, tags: list[str] | None = None) -> None:
+        started = time.perf_counter()
         self.allocator.wake_up(tags)
+        took = time.perf_counter() - started
+        metrics.record({"wakes": 1, "wake_seconds": took}, tags=",".join(sorted(tags or ["all"])))
 
     def discard(self, tags: tuple[str, ...]) -> None:
         self.allocator.discard(tags)

@@ -9,12 +9,14 @@ first when bytes may be out of step. Every method vLLM calls holds the engine's 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
+from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import Device, device_for, worker_index
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.owner import require_owner, require_up
@@ -36,16 +38,21 @@ from vllm_ascend_rl.weight_transfer.wire import (
 class TransferFailed(RuntimeError):
     """Bytes stopped arriving mid-update; the connection is gone."""
 
+    cause = "transfer"
 
-def engine_setup(engine: Any, device: torch.device) -> tuple[Device, UpdateSession]:
+
+def engine_setup(engine: Any, device: torch.device, backend: str) -> tuple[Device, UpdateSession]:
     """An engine's device and session; ValueError now, not at the first sync, on a stack that
     would refuse every update."""
     parallel = engine.parallel_config
-    hw = device_for(device, cpu_chip=worker_index(parallel))
+    worker = worker_index(parallel)
+    hw = device_for(device, cpu_chip=worker)
     refusal = hw.weight_update_refusal()
     if refusal:
         raise ValueError(refusal)
-    return hw, UpdateSession(engine.model, engine.model_config, hw, parallel.world_size)
+    metrics.engine_worker(engine.vllm_config, worker)
+    session = UpdateSession(engine.model, engine.model_config, hw, parallel.world_size, backend)
+    return hw, session
 
 
 def check_init(vllm_config: Any, wire: WireParams) -> None:
@@ -83,7 +90,9 @@ def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused
         return None
     if reason is None and verdict == Verdict.GO:
         reason = "the trainer's plan differs from update_info"
-    return WeightUpdateRefused("another side refused it" if reason is None else reason)
+    if reason is None:
+        return WeightUpdateRefused("another side refused it", cause="refused_by_peer")
+    return WeightUpdateRefused(reason)
 
 
 def load_buckets(
@@ -96,10 +105,12 @@ def load_buckets(
     transfer on a dead peer) and raises TransferFailed saying how far it got."""
     received = 0
     try:
+        waiting = time.perf_counter()
         for bucket, buf in buckets:
-            session.load(bucket, buf)
+            session.load(bucket, buf, time.perf_counter() - waiting)
             received += bucket.nbytes
             del buf  # the transport reuses a buffer once nothing refers to it
+            waiting = time.perf_counter()
     except Exception as e:
         disconnect(f"a transfer failed: {type(e).__name__}: {e}")
         raise TransferFailed(
@@ -141,7 +152,7 @@ def _update_weights(engine: Any, update_info: Any) -> None:
     try:
         WeightTransferEngine.update_weights(engine, update_info)
     except Exception as e:
-        state = engine.session.fail()
+        state = engine.session.fail(e)
         if isinstance(e, ValueError):  # refusals and malformed calls: nothing was loaded
             raise WeightUpdateRefused(f"refused weight update, {state}: {e}") from e
         if isinstance(e, RuntimeError):
@@ -170,7 +181,7 @@ def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: An
 
 def shutdown(engine: Any) -> None:
     with engine.lock:
-        engine.session.cancel("the weight transfer engine was shut down")
+        engine.session.cancel("the weight transfer engine was shut down", "shutdown")
         engine.disconnect("the weight transfer engine was shut down")
         release_buffers(engine)
 

@@ -97,7 +97,7 @@ class AscendRLHCCLWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.hw, self.session = engine_setup(self, device)
+        self.hw, self.session = engine_setup(self, device, HCCL_BACKEND)
         self.lock = threading.RLock()  # see owner.py
         self.owner: Owner | None = None
         self.init_info: AscendRLHCCLWeightTransferInitInfo | None = None

@@ -105,7 +105,7 @@ class AscendRLNPUIPCWeightTransferEngine(
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
         super().__init__(config, vllm_config, device, model)
-        self.hw, self.session = engine_setup(self, device)
+        self.hw, self.session = engine_setup(self, device, NPU_IPC_BACKEND)
         self.lock = threading.RLock()  # see owner.py
         self.owner: Owner | None = None
         self.init_info: AscendRLNPUIPCWeightTransferInitInfo | None = None

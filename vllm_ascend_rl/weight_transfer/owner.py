@@ -144,12 +144,24 @@ def _check_peer(engine: Any) -> None:
         engine.disconnect(f"the trainer left: {why}")
 
 
+class NotConnected(RuntimeError):
+    """A call that needs the owner's connection, with none up."""
+
+    cause = "not_connected"
+
+
+class NotOwner(ValueError):
+    """An update another trainer than the channel's owner sent."""
+
+    cause = "not_owner"
+
+
 def require_up(engine: Any) -> None:
     """For a call that needs the owner's connection (worker thread, lock held): raises, at
     once, why there is none."""
     owner: Owner | None = engine.owner
     if owner is None:
-        raise RuntimeError(
+        raise NotConnected(
             f"{type(engine).__name__} is not initialized: call init_weight_transfer_engine first"
         )
     if owner.state is OwnerState.UP:
@@ -158,11 +170,11 @@ def require_up(engine: Any) -> None:
         return
     if owner.state is OwnerState.CONNECTING:
         left = owner.deadline - time.monotonic()
-        raise RuntimeError(
+        raise NotConnected(
             f"the weight channel is still connecting to {owner.describe()}, {left:.0f}s of "
             "its timeout_s left: the trainer has not finished its side of the init"
         )
-    raise RuntimeError(
+    raise NotConnected(
         f"no weight channel: {owner.describe()}. Call init_weight_transfer_engine again"
     )
 
@@ -171,7 +183,7 @@ def require_owner(engine: Any, trainer: str) -> None:
     """Refuse, at once, an update that the channel's owner did not send."""
     owner: Owner = engine.owner
     if _named(trainer) != owner.trainer:
-        raise ValueError(
+        raise NotOwner(
             f"this update comes from trainer {_named(trainer)}, but the weight channel "
             f"belongs to {owner.describe()}: only the trainer that made the channel may "
             "update through it"

@@ -88,13 +88,13 @@ class LayerwiseReload:
                         copied += 1
         return copied
 
-    def abort(self, model_config: ModelConfig) -> tuple[int, int]:
+    def abort(self, model_config: ModelConfig) -> tuple[int, int, int]:
         """End the update; return (complete layers restored from the host copy, complete
-        layers that keep new weights as no copy was kept). Partial layers forget what they
-        received, so finalize puts their untouched kernel tensors back."""
+        layers that keep new weights as no copy was kept, bytes restored). Partial layers
+        forget what they received, so finalize puts their untouched kernel tensors back."""
         if self.model is None:
-            return 0, 0
-        restored = kept = 0
+            return 0, 0, 0
+        restored = kept = nbytes = 0
         for layer in self._pending:
             info = get_layerwise_info(layer)
             if not info.can_load():  # complete: processed into its kernel tensors
@@ -102,7 +102,7 @@ class LayerwiseReload:
                 if backup is None:
                     kept += 1
                 else:
-                    backup.restore(layer)
+                    nbytes += backup.restore(layer)
                     restored += 1
             elif info.load_numel > 0:
                 info.loaded_weights.clear()  # partial: forget, restore old at finalize
@@ -112,7 +112,7 @@ class LayerwiseReload:
             logger.warning(
                 "weight update aborted: %d layer(s) restored, %d keep new weights", restored, kept
             )
-        return restored, kept
+        return restored, kept, nbytes
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # _parameters, hooks, training, ...
@@ -131,13 +131,15 @@ class _LayerBackup:
         attrs = {k: v for k, v in vars(layer).items() if k not in _MODULE_INTERNALS}
         return cls(tensors, attrs)
 
-    def restore(self, layer: torch.nn.Module) -> None:
+    def restore(self, layer: torch.nn.Module) -> int:
+        """Put the old values and attributes back; the bytes copied."""
         for kernel, old in self.tensors:
             kernel.data.copy_(old)
         state = vars(layer)
         for k in [k for k in state if k not in _MODULE_INTERNALS and k not in self.attrs]:
             del state[k]  # added by processing the new weights
         state.update(self.attrs)
+        return sum(old.nbytes for _, old in self.tensors)
 
 
 def _kernel_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:

@@ -22,9 +22,10 @@ from enum import Enum
 
 import torch
 
+from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import Bucket, unpack_views
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes, unpack_views
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 
@@ -72,20 +73,30 @@ TRANSITIONS: dict[tuple[State, Event], State] = {
 class IllegalTransition(RuntimeError):
     """An event the update's current state does not allow; nothing changed."""
 
+    cause = "out_of_sequence"
+
+
+def cause_of(e: BaseException) -> str:
+    """The metrics' cause code of a failed or refused update (an exception's ``cause``)."""
+    return getattr(e, "cause", None) or ("bad_request" if isinstance(e, ValueError) else "error")
+
 
 class UpdateSession:
     """One worker's update state and what an open update holds (reload and old weights'
     backup, receive pool, forward guard); each public method is an event."""
 
-    def __init__(self, model: torch.nn.Module, model_config, hw: Device, workers_on_host: int):
+    def __init__(
+        self, model: torch.nn.Module, model_config, hw: Device, workers_on_host: int, backend: str
+    ):
         self.model, self.model_config, self.hw = model, model_config, hw
-        self.workers_on_host = workers_on_host
+        self.workers_on_host, self.backend = workers_on_host, backend
         self.state = State.IDLE
         self.hold = False  # on_failure="hold": no backup of the old weights
         self.reload = LayerwiseReload()
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
         self.cancelled: str | None = None  # why the open update was cancelled
+        self.moved = {"bytes": 0.0, "transport": 0.0, "load": 0.0}  # this update's figures
         self.mixed: str | None = None  # hold: why the weights are not whole
         self._guard = None
         # Until then a failed collective may be queued: no device-wide sync (hccl.disconnect).
@@ -94,7 +105,7 @@ class UpdateSession:
     def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int) -> None:
         """A new trainer connection: cancel any open update, apply the init's parameters (the
         receive pool holds at most ``buffers + 2`` buckets)."""
-        self.cancel("init_weight_transfer_engine was called during it")
+        self.cancel("init_weight_transfer_engine was called during it", "new_init")
         self.hold = on_failure == "hold"
         self.pool.release()
         self.pool.max_bytes = (buffers + 2) * bucket_bytes
@@ -128,6 +139,7 @@ class UpdateSession:
         )
         self._go(Event.START)
         self.cancelled = None
+        self.moved = dict.fromkeys(self.moved, 0.0)
         self._set_guard()
 
     def receive(self, version: str | None) -> None:
@@ -135,12 +147,17 @@ class UpdateSession:
         self._go(Event.RECEIVE)
         self.version = version
 
-    def load(self, bucket: Bucket, buf: torch.Tensor) -> None:
-        """Load one bucket; layerwise reload may keep views of ``buf`` until a layer completes."""
+    def load(self, bucket: Bucket, buf: torch.Tensor, waited_s: float) -> None:
+        """Load one bucket that took ``waited_s`` to arrive; layerwise reload may keep views of
+        ``buf`` until a layer completes."""
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+        started = time.perf_counter()
         with disable_mtp_completeness_check():
             self.model.load_weights(unpack_views(buf, bucket))
+        self.moved["load"] += time.perf_counter() - started
+        self.moved["transport"] += waited_s
+        self.moved["bytes"] += total_bytes(bucket.specs)  # the weights, not the padding
 
     def loaded(self) -> None:
         self._go(Event.LOADED)
@@ -151,24 +168,29 @@ class UpdateSession:
         if before is State.CANCELLED:
             logger.warning("finish_weight_update: nothing applied, %s", self.cancelled)
         elif before is State.OPEN:
-            logger.warning("finish_weight_update without any update: %s", self._abort())
+            why = self._abort("cancelled", "nothing_received")
+            logger.warning("finish_weight_update without any update: %s", why)
         else:
             self.reload.finish(self.model_config)
             self.mixed = None
-            self._end(completed=True)
+            self._end("ok", "")
 
-    def fail(self) -> str:
-        """A failure ends the update; returns what the model holds now, for messages."""
+    def fail(self, e: BaseException) -> str:
+        """Failure ``e`` ends the update; returns what the model holds now, for messages."""
+        result = "refused" if isinstance(e, ValueError) else "failed"
         before = self._go(Event.FAIL)
         if before in (State.IDLE, State.CANCELLED):  # nothing open: the failure says why
+            self._count(result, cause_of(e))
             return self._whole()
-        return self._abort()
+        return self._abort(result, cause_of(e))
 
-    def cancel(self, why: str) -> None:
-        """End the open update early; the worker still counts it as open."""
+    def cancel(self, why: str, cause: str) -> None:
+        """End the open update early (``cause``: a metrics code); the worker still counts it as
+        open."""
         before = self._go(Event.CANCEL)
         if before in (State.OPEN, State.RECEIVED):
-            self.cancelled = f"the weight update was cancelled because {why}; {self._abort()}"
+            held = self._abort("cancelled", cause)
+            self.cancelled = f"the weight update was cancelled because {why}; {held}"
             logger.error("%s", self.cancelled)
 
     def not_whole(self) -> str | None:
@@ -180,9 +202,18 @@ class UpdateSession:
         return None
 
     # -- actions -----------------------------------------------------------------------
-    def _abort(self) -> str:
+    def _abort(self, result: str, cause: str) -> str:
         """Undo the open update's reload; what the model holds now."""
-        restored, kept = self.reload.abort(self.model_config)
+        started = time.perf_counter()
+        restored, kept, restored_bytes = self.reload.abort(self.model_config)
+        if restored:
+            metrics.record(
+                {
+                    "weight_restore_bytes": restored_bytes,
+                    "weight_restore_seconds": time.perf_counter() - started,
+                },
+                backend=self.backend,
+            )
         if kept:
             version = f" of version {self.version!r}" if self.version else ""
             self.mixed = (
@@ -190,7 +221,7 @@ class UpdateSession:
                 "layer(s) had taken new weights (on_failure=hold); generation is refused "
                 "until a weight update completes"
             )
-        self._end(completed=False)
+        self._end(result, cause)
         if restored:
             return f"model unchanged (the old weights were restored in {restored} layer(s))"
         return self._whole()
@@ -200,9 +231,25 @@ class UpdateSession:
             return f"{self.mixed} (still, from an earlier failed update)"
         return "model unchanged"
 
-    def _end(self, completed: bool) -> None:
-        """Give the receive pool back (to the device too after a completed update, unless a
-        collective may be queued); drop the guard unless the weights are not whole."""
+    def _count(self, result: str, cause: str) -> None:
+        labels = {"side": "engine", "backend": self.backend}
+        metrics.record({"weight_updates": 1}, **labels, result=result, cause=cause)
+
+    def _end(self, result: str, cause: str) -> None:
+        """Count the update; give the receive pool back (to the device too after a completed
+        update, unless a collective may be queued); drop the guard unless the weights are not
+        whole."""
+        completed = result == "ok"
+        self._count(result, cause)
+        metrics.record(
+            {
+                "weight_update_bytes": self.moved["bytes"],
+                "weight_update_transport_seconds": self.moved["transport"],
+                "weight_update_load_seconds": self.moved["load"],
+            },
+            side="engine",
+            backend=self.backend,
+        )
         self.version = None
         self._set_guard()
         allocated, peak = self.pool.end_update()
@@ -230,7 +277,8 @@ class UpdateSession:
         if self.state in (State.OPEN, State.RECEIVED):
             self.cancel(
                 "generation ran while it was open: pause generation (/pause) before "
-                "start_weight_update"
+                "start_weight_update",
+                "generation_ran",
             )
         if self.mixed:
             raise RuntimeError(f"refusing to run the model: {self.mixed}")

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
+from vllm_ascend_rl import metrics
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
@@ -26,7 +27,16 @@ Pairs = Iterator[tuple[str, Any]]
 
 
 class WeightSyncError(RuntimeError):
-    """A weight sync failed; the message says which side failed and why."""
+    """A weight sync failed; the message says which side failed and why, ``cause`` is its
+    metrics code (refusals: :data:`REFUSALS`)."""
+
+    def __init__(self, message: str, cause: str = "engine_call") -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+# Causes of a sync refused before any byte moved (the weights are the old ones).
+REFUSALS = ("refused_by_engine", "not_paused", "not_connected")
 
 
 # Failures of the connection itself (as opposed to bugs in the caller's weight source).
@@ -174,11 +184,24 @@ def engine_name(client: Any) -> str:
 
 
 def send_update(t: Transport, weight_version: str | None) -> SyncResult:
-    """Push ``t.source`` into the engine (start, update, finish); raises WeightSyncError."""
+    """Push ``t.source`` into the engine (start, update, finish); raises WeightSyncError.
+    The sending rank counts the outcome (:mod:`vllm_ascend_rl.metrics`)."""
+    labels = {"side": "trainer", "backend": t.init_info.backend}
     try:
-        return _send(t, weight_version)
-    except WeightSyncError as e:
-        raise WeightSyncError(f"weight sync to {engine_name(t.client)}: {e}") from e
+        done = _send(t, weight_version)
+    except Exception as e:
+        cause = getattr(e, "cause", "source") if t.is_sender else None
+        if cause:
+            result = "refused" if cause in REFUSALS else "failed"
+            metrics.record({"weight_updates": 1}, **labels, result=result, cause=cause)
+        if isinstance(e, WeightSyncError):
+            raise WeightSyncError(f"weight sync to {engine_name(t.client)}: {e}", e.cause) from e
+        raise
+    if t.is_sender:
+        metrics.record({"weight_updates": 1}, **labels, result="ok", cause="")
+        moved = {"weight_update_bytes": done.bytes, "weight_update_transport_seconds": done.seconds}
+        metrics.record(moved, **labels)
+    return done
 
 
 def _send(t: Transport, weight_version: str | None) -> SyncResult:
@@ -189,14 +212,16 @@ def _send(t: Transport, weight_version: str | None) -> SyncResult:
         return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
     reason = t.not_ready()
     if reason:
-        raise WeightSyncError(f"weight transfer is not usable ({reason}): call trainer_init again")
+        raise WeightSyncError(
+            f"weight transfer is not usable ({reason}): call trainer_init again", "not_connected"
+        )
     started = time.perf_counter()
     nbytes, timeout_s = total_bytes(specs), t.init_info.timeout_s
     try:
         payload = t.payload(specs, plan)  # before the engine opens an update
     except TRANSPORT_ERRORS as e:
         t.abort()
-        raise WeightSyncError(f"preparing the update failed: {e}") from e
+        raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
     if weight_version is not None:
         payload["weight_version"] = weight_version
     update = _open_update(t, plan, payload)
@@ -208,7 +233,7 @@ def _send(t: Transport, weight_version: str | None) -> SyncResult:
         if not isinstance(e, TRANSPORT_ERRORS):
             raise
         reason = update.failure(min(timeout_s, 30.0))
-        raise WeightSyncError(f"weight transfer failed: {reason or e}") from e
+        raise WeightSyncError(f"weight transfer failed: {reason or e}", "transfer") from e
     call("finish_weight_update", t.client.finish_weight_update, weight_version)
     t.succeeded()
     return SyncResult(nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version)
@@ -227,10 +252,12 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
         verdict = t.agree(plan, update)
     except TRANSPORT_ERRORS as e:
         t.abort()
-        raise WeightSyncError(f"update handshake failed: {update.failure(5) or e}") from e
+        raise WeightSyncError(
+            f"update handshake failed: {update.failure(5) or e}", "transfer"
+        ) from e
     if verdict != Verdict.GO:  # refused before any byte moved; the connection stays usable
         reason = update.failure(t.init_info.timeout_s)
-        raise WeightSyncError(f"engine refused the update: {reason}")
+        raise WeightSyncError(f"engine refused the update: {reason}", "refused_by_engine")
     return update
 
 
@@ -253,7 +280,8 @@ def require_paused(client: Any) -> None:
             "the engine is not paused: pause it before send_weights (/pause, "
             "EngineControlClient.pause) and resume after. A forward pass during an update would "
             "run on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; "
-            "vllm-ascend's ACL graphs) no hook can stop it. Nothing was sent."
+            "vllm-ascend's ACL graphs) no hook can stop it. Nothing was sent.",
+            "not_paused",
         )
 
 

@@ -22,7 +22,12 @@ MAX_TENSOR_BYTES = 1 << 40  # a shape beyond this is a malformed request, not a 
 
 
 class WeightUpdateRefused(ValueError):
-    """The update's metadata does not fit the model; nothing was loaded."""
+    """The update's metadata does not fit the model (or another side refused it: ``cause``
+    ``refused_by_peer``); nothing was loaded."""
+
+    def __init__(self, message: str, cause: str = "invalid_weights") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,12 @@ def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
     call in vLLM 0.27.1 and 0.32)."""
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
-    from vllm_ascend_rl import register
+    from vllm_ascend_rl import metrics, register
     from vllm_ascend_rl._registration import CAMEM_BACKEND
+    from vllm_ascend_rl.device import worker_index
 
     register()  # a no-op where vLLM's plugin loading already ran it
+    metrics.engine_worker(worker.vllm_config, worker_index(worker.vllm_config.parallel_config))
     model_config = worker.vllm_config.model_config
     model_config.sleep_mode_backend = CAMEM_BACKEND
     return SleepModeBackendFactory.create_backend(model_config)

@@ -56,7 +56,7 @@ def reload_from_disk(worker: Any, weights_path: str, keep_old: bool) -> None:
             with disable_mtp_completeness_check():
                 model.load_weights(tensors())
         except Exception as e:
-            restored, _ = reload.abort(model_config)
+            restored, _, _ = reload.abort(model_config)
             raise RuntimeError(
                 f"reload_weights from {weights_path!r} failed ({type(e).__name__}: {e}); the "
                 f"old weights were restored ({restored} layer(s) had taken new ones)"

@@ -1,0 +1,3 @@
+from vllm_ascend_rl.doctor import console
+
+console()
