@@ -87,6 +87,6 @@ setup(
         "vllm.stat_logger_plugins": [
             "vllm_ascend_rl = vllm_ascend_rl.stat_logger:EngineMetricsLogger"
         ],
-        "console_scripts": ["vllm-ascend-rl-doctor = vllm_ascend_rl.doctor:console"],
+        "console_scripts": ["vllm-ascend-rl-doctor = vllm_ascend_rl.doctor.cli:console"],
     },
 )

@@ -22,6 +22,7 @@ from tests.support import (
     rl_engine_args,
     serving,
 )
+from tests.support.doctor import doctor
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.trainer import TrainerProcess
@@ -110,3 +111,16 @@ def test_sleep_and_wake_reach_both_ranks(servers):
     ctl.wake_up()
     assert ctl.is_sleeping() is False
     assert greedy_token_ids(engine.url, PROBE, 16) == before_tokens
+
+
+def test_the_doctor_fails_engines_of_different_world_sizes(servers, rl_engines):
+    """One trainer syncs several engines with one recipe: the doctor compares them."""
+    engine, _, _ = servers
+    single = rl_engines("ascend_rl_hccl").url
+    code, checks = doctor("--engine", engine.url, "--engine", single)
+    assert code == 1
+    check = checks["engines: same world_size"]
+    assert check["status"] == "fail"
+    assert check["found"] == f"{engine.url}: 2, {single}: 1"
+    assert "same TP x PP x DP" in check["fix"]
+    assert [c["name"] for c in checks.values() if c["status"] == "fail"] == ["same world_size"]

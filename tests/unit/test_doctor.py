@@ -4,51 +4,34 @@ interpreter (it loads vLLM's general plugins, as a vLLM process does)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from tests.support.doctor import doctor
 from tests.support.standin_vllm_ascend import real_vllm_ascend_installed
 
-NPU_ONLY = {"vllm-ascend", "torch_npu", "CANN and chips", "ACL back end", "NZ weight format"}
-ENV_KEYS = ("RANK_TABLE_FILE", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
-ENV_KEYS += ("PYTORCH_NPU_ALLOC_CONF",)
-
-
-def doctor(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict]]:
-    """Exit code and the checks by name."""
-    base = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
-    out = subprocess.run(
-        [sys.executable, "-m", "vllm_ascend_rl.doctor", "--json", *args],
-        env={**base, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    checks = json.loads(out.stdout)
-    return out.returncode, {c["name"]: c for c in checks}
+NPU_ONLY = [f"stack: {n}" for n in ("vllm-ascend", "torch_npu", "CANN and chips", "ACL back end")]
+NPU_ONLY += ["environment: NZ weight format"]
 
 
 def test_the_cpu_stack_passes_and_lists_every_check():
     code, checks = doctor()
     assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
     for name in (
-        "python",
-        "torch",
-        "vllm",
-        "device",
-        "vllm.general_plugins",
-        "vllm.stat_logger_plugins",
-        "WeightTransferEngineFactory 'ascend_rl_hccl'",
-        "WeightTransferTrainerFactory 'ascend_rl_npu_ipc'",
-        "SleepModeBackendFactory 'ascend_rl_camem'",
-        "RANK_TABLE_FILE",
-        "HCCL_CONNECT_TIMEOUT",
-        "HCCL_EXEC_TIMEOUT",
-        "PYTORCH_NPU_ALLOC_CONF",
-        "VLLM_SERVER_DEV_MODE",
+        "stack: python",
+        "stack: torch",
+        "stack: vllm",
+        "stack: device",
+        "registration: vllm.general_plugins",
+        "registration: vllm.stat_logger_plugins",
+        "registration: WeightTransferEngineFactory 'ascend_rl_hccl'",
+        "registration: WeightTransferTrainerFactory 'ascend_rl_npu_ipc'",
+        "registration: SleepModeBackendFactory 'ascend_rl_camem'",
+        "environment: RANK_TABLE_FILE",
+        "environment: HCCL_CONNECT_TIMEOUT",
+        "environment: HCCL_EXEC_TIMEOUT",
+        "environment: PYTORCH_NPU_ALLOC_CONF",
+        "environment: VLLM_SERVER_DEV_MODE",
     ):
         assert checks[name]["status"] in ("ok", "warn"), checks[name]
     if not real_vllm_ascend_installed():
@@ -57,7 +40,7 @@ def test_the_cpu_stack_passes_and_lists_every_check():
             assert checks[name]["found"] == "skipped (no NPU)"
 
 
-BROKEN_ENV = {  # variable: (value, what the fix says)
+BROKEN_ENV = {  # variable (its check: "environment: <variable>"): (value, what the fix says)
     "RANK_TABLE_FILE": ("/etc/hccl.json", "unset RANK_TABLE_FILE"),
     "HCCL_EXEC_TIMEOUT": ("1836", "set HCCL_EXEC_TIMEOUT to at most timeout_s (60)"),
     "HCCL_CONNECT_TIMEOUT": ("600", "set HCCL_CONNECT_TIMEOUT to at most timeout_s (60)"),
@@ -72,9 +55,11 @@ def test_a_broken_environment_fails_naming_each_fix():
     code, checks = doctor("--timeout-s", "60", env=env)
     assert code == 1
     for name, (_, fix) in BROKEN_ENV.items():
-        assert checks[name]["status"] == "fail", checks[name]
-        assert fix in checks[name]["fix"], checks[name]
-    assert sorted(n for n, c in checks.items() if c["status"] == "fail") == sorted(BROKEN_ENV)
+        check = checks[f"environment: {name}"]
+        assert check["status"] == "fail", check
+        assert fix in check["fix"], check
+    failed = sorted(c["name"] for c in checks.values() if c["status"] == "fail")
+    assert failed == sorted(BROKEN_ENV)
 
 
 FOREIGN = """
@@ -103,8 +88,8 @@ def test_a_foreign_engine_under_our_name_fails(tmp_path: Path):
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     code, checks = doctor(env={"PYTHONPATH": path})
     assert code == 1
-    taken = checks["WeightTransferEngineFactory 'ascend_rl_hccl'"]
+    taken = checks["registration: WeightTransferEngineFactory 'ascend_rl_hccl'"]
     assert taken["status"] == "fail"
     assert taken["found"] == "taken by foreign_plugin.ForeignEngine"
     assert "uninstall the plugin that registers 'ascend_rl_hccl'" in taken["fix"]
-    assert checks["WeightTransferEngineFactory 'ascend_rl_npu_ipc'"]["status"] == "ok"
+    assert checks["registration: WeightTransferEngineFactory 'ascend_rl_npu_ipc'"]["status"] == "ok"

@@ -642,3 +642,48 @@ def test_resource_tracker():
     finally:
         shm.close()
         shm.unlink()
+
+
+# -- vLLM: operator tools -----------------------------------------------------------------------
+def test_factory_registry():
+    from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+    from vllm.distributed.weight_transfer.factory import (
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    import vllm_ascend_rl
+    from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
+
+    vllm_ascend_rl.register()
+    where = "doctor/local.py (_factory_entry) reads whom a name resolves to"
+    for factory in (WeightTransferEngineFactory, WeightTransferTrainerFactory):
+        assert isinstance(vars(factory).get("_registry"), dict), (
+            f"{factory} lost _registry: {where}"
+        )
+    loader = SleepModeBackendFactory._registry["ascend_rl_camem"]
+    assert loader() is CaMemSleepBackend, f"a _registry value no longer loads the class: {where}"
+
+
+def test_instance_id(tiny_model):
+    import pickle
+
+    from vllm.config import ModelConfig, VllmConfig
+
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_model), max_model_len=256))
+    where = "metrics.py (engine_worker) and stat_logger.py find the counters directory by it"
+    assert config.instance_id, f"VllmConfig.instance_id is empty: {where}"
+    assert pickle.loads(pickle.dumps(config)).instance_id == config.instance_id, (
+        f"VllmConfig.instance_id changes when the config travels to an engine process: {where}"
+    )
+
+
+def test_prometheus_registry(monkeypatch):
+    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    assert get_prometheus_registry() is REGISTRY, (
+        "vLLM's /metrics no longer serves prometheus_client's REGISTRY in a single API "
+        "server: stat_logger.py registers the engine's counters there"
+    )

@@ -1,3 +1,3 @@
-from vllm_ascend_rl.doctor import console
+from vllm_ascend_rl.doctor.cli import console
 
 console()

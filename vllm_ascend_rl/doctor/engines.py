@@ -41,6 +41,16 @@ def engine(url: str, timeout_s: float) -> tuple[dict[str, Any], list[Check]]:
         fix = "see the server's log: it is starting, or its engine died"
         return {}, [fail(area, "reachable", f"/health answered HTTP {health.status_code}", fix)]
     out = [ok(area, "reachable", "/health 200")]
+    try:
+        return _served(url, area, out, timeout_s)
+    except (requests.RequestException, ValueError, KeyError) as e:
+        fix = "check that the URL is a vLLM server (vLLM 0.27.1 to 0.32.0)"
+        return {}, [*out, fail(area, "answers", f"{type(e).__name__}: {e}", fix)]
+
+
+def _served(
+    url: str, area: str, out: list[Check], timeout_s: float
+) -> tuple[dict[str, Any], list[Check]]:
     models = _get(url, "/v1/models", timeout_s).json().get("data") or [{}]
     facts: dict[str, Any] = {"model": models[0].get("root") or models[0].get("id")}
     paused = _get(url, "/is_paused", timeout_s)

@@ -1,0 +1,25 @@
+"""Run ``python -m vllm_ascend_rl.doctor --json`` as a user runs it, in a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# Settings a broken set-up test sets; removed from the inherited environment first.
+DOCTOR_ENV = ("RANK_TABLE_FILE", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
+DOCTOR_ENV += ("PYTORCH_NPU_ALLOC_CONF",)
+
+
+def doctor(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict]]:
+    """Exit code and the checks by ``"<area>: <name>"``."""
+    base = {k: v for k, v in os.environ.items() if k not in DOCTOR_ENV}
+    out = subprocess.run(
+        [sys.executable, "-m", "vllm_ascend_rl.doctor", "--json", *args],
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return out.returncode, {f"{c['area']}: {c['name']}": c for c in json.loads(out.stdout)}

@@ -1,0 +1,62 @@
+"""The doctor's command line: run the checks, print a table or JSON, exit 1 on a ``fail``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from dataclasses import asdict
+
+from vllm_ascend_rl.doctor import Check, engines, local
+
+
+def run(urls: list[str], timeout_s: float, http_timeout_s: float = 60.0) -> list[Check]:
+    return [*local.checks(timeout_s), *engines.checks(urls, http_timeout_s)]
+
+
+def render(checks: list[Check]) -> str:
+    """A plain-text table, a fix line under each check that is not ok."""
+    width = max(len(f"{c.area}: {c.name}") for c in checks)
+    lines = []
+    for c in checks:
+        status = "skipped" if c.status == "skipped" else c.status.upper()
+        lines.append(f"{status:<8} {f'{c.area}: {c.name}':<{width}}  {c.found}")
+        if c.fix:
+            lines.append(f"{'':<8} {'':<{width}}  fix: {c.fix}")
+    counts = {s: sum(c.status == s for c in checks) for s in ("ok", "warn", "fail", "skipped")}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import vllm_ascend_rl.doctor
+
+    summary = vllm_ascend_rl.doctor.__doc__.split("\n")[0]
+    ap = argparse.ArgumentParser(prog="vllm-ascend-rl-doctor", description=summary)
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a running vLLM server to check over HTTP (repeatable; several are compared)",
+    )
+    ap.add_argument(
+        "--timeout-s",
+        type=float,
+        default=120.0,
+        help="the timeout_s your weight-transfer init passes (default: the plugin's, 120)",
+    )
+    ap.add_argument("--json", action="store_true", help="print the checks as JSON")
+    args = ap.parse_args(argv)
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM 0.27.1 logs to stdout
+        checks = run(args.engine, args.timeout_s)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        print(render(checks))
+    return 1 if any(c.status == "fail" for c in checks) else 0
+
+
+def console() -> None:
+    sys.exit(main())
