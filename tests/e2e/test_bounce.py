@@ -23,6 +23,7 @@ from tests.support import (
     greedy_token_ids,
     serving,
 )
+from tests.support.metrics import added, scrape
 from tests.support.router import running_router
 from vllm_ascend_rl.client import EngineControlClient
 
@@ -154,6 +155,11 @@ def test_through_the_router_every_completion_equals_the_greedy_reference(
     resends = requests.get(router + "/router/stats", timeout=10).json()["resends"] - before
     print(f"\nthe router resent {resends} bounced completions")
     assert resends >= 1
+    stats = requests.get(router + "/router/stats", timeout=10).json()
+    counted = scrape(router, "/router/metrics")
+    assert added({}, counted, "router_resends") == stats["resends"]
+    for url, n in stats["requests"].items():
+        assert added({}, counted, "router_requests", engine=url) == n
 
 
 def test_router_refuses_what_it_cannot_stitch(router):

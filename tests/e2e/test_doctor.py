@@ -1,4 +1,5 @@
-"""The doctor's ``--engine`` checks against real servers: the session's RL engine passes; a
+"""The doctor on this host's real CPU stack (every check listed, the NPU-only ones skipped) and
+its ``--engine`` checks against real servers: the session's RL engine passes; a
 server started without ``VLLM_SERVER_DEV_MODE=1`` and vLLM's own engine (no plugin scheduler,
 no weight-transfer backend) each fail naming the fix. (Two engines of different world sizes:
 test_data_parallel.py, which has the DP=2 server.)"""
@@ -9,8 +10,31 @@ import pytest
 
 from tests.support import VLLMServer, engine_args, serving
 from tests.support.doctor import doctor
+from tests.support.standin_vllm_ascend import real_vllm_ascend_installed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+NPU_ONLY = [f"stack: {n}" for n in ("vllm-ascend", "torch_npu", "CANN and chips", "ACL back end")]
+NPU_ONLY += ["environment: NZ weight format"]
+LOCAL = (  # every other check of this host
+    "stack: python",
+    "stack: torch",
+    "stack: vllm",
+    "stack: device",
+    "registration: vllm.general_plugins",
+    "registration: vllm.stat_logger_plugins",
+    "registration: vllm-ascend plugin",
+    "registration: WeightTransferEngineFactory 'ascend_rl_hccl'",
+    "registration: WeightTransferTrainerFactory 'ascend_rl_hccl'",
+    "registration: WeightTransferEngineFactory 'ascend_rl_npu_ipc'",
+    "registration: WeightTransferTrainerFactory 'ascend_rl_npu_ipc'",
+    "registration: SleepModeBackendFactory 'ascend_rl_camem'",
+    "environment: RANK_TABLE_FILE",
+    "environment: HCCL_CONNECT_TIMEOUT",
+    "environment: HCCL_EXEC_TIMEOUT",
+    "environment: PYTORCH_NPU_ALLOC_CONF",
+    "environment: VLLM_SERVER_DEV_MODE",
+)
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +49,18 @@ def no_dev_mode(tmp_path_factory, model_pair):
         yield server
 
 
-def test_the_rl_engine_passes(rl_engines):
+def test_the_cpu_stack_and_the_rl_engine_pass(rl_engines):
     url = rl_engines("ascend_rl_hccl").url
     code, checks = doctor("--engine", url)
     area = f"engine {url}"
     assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
+    assert {n for n in checks if not n.startswith("engine")} == {*LOCAL, *NPU_ONLY}
+    for name in LOCAL:
+        assert checks[name]["status"] in ("ok", "warn"), checks[name]
+    if not real_vllm_ascend_installed():
+        for name in NPU_ONLY:
+            assert checks[name]["status"] == "skipped", checks[name]
+            assert checks[name]["found"] == "skipped (no NPU)"
     for name, found in (
         ("reachable", "/health 200"),
         ("dev mode", "the RL routes answer"),

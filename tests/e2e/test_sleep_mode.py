@@ -17,6 +17,7 @@ from tests.support import (
     build_tiny_model,
     greedy_token_ids,
 )
+from tests.support.metrics import added, scrape
 from tests.support.profile import trainer_env
 from tests.support.sleep_servers import leave_awake, sleepable_server
 from tests.support.tiny_model import parameter_shapes
@@ -81,6 +82,7 @@ def _numel(shape) -> int:
 
 
 def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, baseline):
+    counted = scrape(server.url)
     before = rss(server)
     ctl.sleep(1)
     assert ctl.is_sleeping() is True
@@ -90,6 +92,10 @@ def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, basel
     ctl.wake_up()
     assert ctl.is_sleeping() is False
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
+    now = scrape(server.url)  # the worker's own count, on the server's /metrics
+    assert added(counted, now, "sleeps", level="1") == 1
+    assert added(counted, now, "wakes", tags="all") == 1
+    assert added(counted, now, "sleep_seconds") > 0 and added(counted, now, "wake_seconds") > 0
 
 
 @pytest.mark.skipif(

@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from tests.support import VLLMServer, free_port, greedy_token_ids
+from tests.support.metrics import added, scrape, scrape_text, series
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
@@ -156,42 +157,6 @@ class WeightSyncServers:
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe, "weights changed"
 
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def scrape_text(text: str) -> Samples:
-    """Every ``vllm_ascend_rl_*`` sample of a Prometheus text page, by (name, labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {
-        (s.name.removeprefix("vllm_ascend_rl_"), tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name.startswith("vllm_ascend_rl_") and s.name.endswith("_total")
-    }
-
-
-def scrape(url: str) -> Samples:
-    return scrape_text(requests.get(url + "/metrics", timeout=30).text)
-
-
-def series(samples: Samples, name: str) -> list[dict[str, str]]:
-    return [dict(labels) for (n, labels) in samples if n == f"{name}_total"]
-
-
-def added(before: Samples, after: Samples, name: str, **labels: str) -> float:
-    """How much counter ``name`` grew over every series with ``labels`` (workers summed)."""
-
-    def total(samples: Samples) -> float:
-        return sum(
-            v
-            for (n, ls), v in samples.items()
-            if n == f"{name}_total" and labels.items() <= dict(ls).items()
-        )
-
-    return total(after) - total(before)
-
-
 class WeightSyncCases(WeightSyncServers):
     # -- the seed's RL e2e -------------------------------------------------------------
     @pytest.mark.parametrize("wire", list(WIRES))
@@ -305,6 +270,7 @@ class WeightSyncCases(WeightSyncServers):
         timeout_s = 10
         env = self.trainer_env(plugin_env, engine)
         segments_before = staging_segments()
+        counted = scrape(engine.url)
         trainer.release(engine.url)  # the channel's owner lets another trainer in
         with TrainerProcess(models[1], log_path=tmp_path / "dying.log", env=env) as doomed:
             self.init(doomed, engine, packed_buffer_size_bytes=SMALL_BUCKET, timeout_s=timeout_s)
@@ -323,6 +289,11 @@ class WeightSyncCases(WeightSyncServers):
             time.sleep(0.5)
         # The layers loaded before the crash were restored: the engine serves exactly v1.
         self.assert_alive_and_intact(engine, v1_probe)
+        failed = scrape(engine.url)
+        ours = {"side": "engine", "backend": self.backend}
+        assert added(counted, failed, "weight_updates", **ours, result="failed") == 1
+        assert added(counted, failed, "weight_updates", cause="transfer") == 1
+        assert added(counted, failed, "weight_restore_bytes", backend=self.backend) > 0
         self.init(trainer, engine)  # a new init works, and a full sync restores v2 exactly
         trainer.send(weight_version="v2")
         assert greedy_token_ids(engine.url, PROBE, 24) == greedy_token_ids(reference.url, PROBE, 24)

@@ -6,18 +6,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 # Settings a broken set-up test sets; removed from the inherited environment first.
 DOCTOR_ENV = ("RANK_TABLE_FILE", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
 DOCTOR_ENV += ("PYTORCH_NPU_ALLOC_CONF",)
 
 
-def doctor(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, dict]]:
-    """Exit code and the checks by ``"<area>: <name>"``."""
+def doctor(
+    *args: str, env: dict[str, str] | None = None, cwd: str | None = None
+) -> tuple[int, dict[str, dict]]:
+    """Exit code and the checks by ``"<area>: <name>"``. It runs in ``cwd`` (default: the
+    temporary directory), never in a source tree whose ``*.egg-info`` would come first on
+    ``sys.path`` and reorder plugin discovery."""
     base = {k: v for k, v in os.environ.items() if k not in DOCTOR_ENV}
     out = subprocess.run(
         [sys.executable, "-m", "vllm_ascend_rl.doctor", "--json", *args],
         env={**base, **(env or {})},
+        cwd=cwd or tempfile.gettempdir(),
         capture_output=True,
         text=True,
         timeout=300,
