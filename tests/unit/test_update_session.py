@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.weight_transfer.session import (
     TRANSITIONS,
@@ -171,3 +172,36 @@ def test_hold_is_refused_at_init_without_the_plugin_scheduler():
         check_init(config(Scheduler), WireParams(on_failure="hold"))
     check_init(config(Scheduler), WireParams())  # restore needs no scheduler of ours
     check_init(config(AsyncRecomputeScheduler), WireParams(on_failure="hold"))
+
+
+def counted(result: str, cause: str | None = None) -> float:
+    """This process's engine-side count of updates that ended with ``result`` (and ``cause``)."""
+    return sum(
+        v
+        for (name, labels), v in metrics.values().items()
+        if name == "weight_updates"
+        and dict(labels).get("backend") == "test"
+        and dict(labels)["result"] == result
+        and cause in (None, dict(labels)["cause"])
+    )
+
+
+def test_every_update_is_counted_once_where_it_ends():
+    before = {r: counted(r) for r in ("ok", "cancelled", "failed", "refused")}
+    s = session()
+    for event in (Event.START, Event.RECEIVE, Event.LOADED, Event.FINISH):
+        fire(s, event)
+    s.start()
+    s.model(torch.zeros(1, 2))  # generation cancels it
+    with pytest.raises(IllegalTransition) as refused:
+        s.receive("v2")
+    s.fail(refused.value)  # vLLM's worker ends the failed update_weights: the same update
+    s.fail(IllegalTransition("update_weights called without start_weight_update"))
+    after = {r: counted(r) for r in before}
+    assert {r: after[r] - before[r] for r in before} == {
+        "ok": 1,
+        "cancelled": 1,
+        "failed": 1,  # the call with no update open, on its own
+        "refused": 0,
+    }
+    assert counted("cancelled", "generation_ran") >= 1

@@ -179,8 +179,9 @@ class UpdateSession:
         """Failure ``e`` ends the update; returns what the model holds now, for messages."""
         result = "refused" if isinstance(e, ValueError) else "failed"
         before = self._go(Event.FAIL)
-        if before in (State.IDLE, State.CANCELLED):  # nothing open: the failure says why
+        if before is State.IDLE:  # a call with no update open, counted on its own
             self._count(result, cause_of(e))
+        if before in (State.IDLE, State.CANCELLED):  # nothing open: the failure says why
             return self._whole()
         return self._abort(result, cause_of(e))
 
