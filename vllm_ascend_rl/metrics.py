@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +66,22 @@ def values() -> dict[tuple[str, Labels], float]:
 def engine_metrics_dir(instance_id: str) -> str:
     """Where an engine's workers leave their counters for its API server."""
     return os.path.join(tempfile.gettempdir(), f"vllm_ascend_rl-metrics-{instance_id}")
+
+
+OWNER = "owner.pid"  # the API server that made the directory
+
+
+def remove_abandoned_dirs() -> None:
+    """Remove the directories of API servers that are gone without their exit handlers
+    (killed): the next server on the host cleans up after them."""
+    for directory in glob.glob(engine_metrics_dir("*")):
+        try:
+            with open(os.path.join(directory, OWNER)) as f:
+                os.kill(int(f.read()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(directory, ignore_errors=True)
+        except (OSError, ValueError):
+            pass  # being made, or another user's live server
 
 
 def engine_worker(vllm_config: Any, worker: int) -> None:

@@ -16,7 +16,13 @@ import shutil
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.metrics import Collector, engine_metrics_dir, engine_rows
+from vllm_ascend_rl.metrics import (
+    OWNER,
+    Collector,
+    engine_metrics_dir,
+    engine_rows,
+    remove_abandoned_dirs,
+)
 
 logger = get_logger(__name__)
 
@@ -34,8 +40,11 @@ def serve_engine_metrics(instance_id: str) -> None:
     if get_prometheus_registry() is not REGISTRY:
         logger.warning("vllm_ascend_rl metrics are not on /metrics with --api-server-count > 1")
         return
+    remove_abandoned_dirs()
     directory = engine_metrics_dir(instance_id)
     os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, OWNER), "w") as f:
+        f.write(str(os.getpid()))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     REGISTRY.register(Collector(lambda: engine_rows(directory)))
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import psutil
 import requests
 
+from vllm_ascend_rl.metrics import remove_abandoned_dirs
+
 from .profile import current_profile
 
 
@@ -264,6 +266,7 @@ class VLLMServer:
         self.proc = None
         self.came_up = False
         shutil.rmtree(self._rpc_dir, ignore_errors=True)
+        remove_abandoned_dirs()  # the metrics directory of an API server SIGKILLed above
         self.profile.give_back_chips(self)  # its processes, and their device memory, are gone
 
     def __enter__(self) -> VLLMServer:
