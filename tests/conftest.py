@@ -23,6 +23,8 @@ from tests.support import (
     engine_args,
     rl_engine_args,
 )
+from tests.support.profile import current_profile
+from tests.support.server_plan import ServerPlan
 from tests.support.shared_servers import SharedServers
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.vllm_features import scale_out_flags
@@ -120,6 +122,31 @@ def rl_engines(shared_servers) -> Callable[[str], VLLMServer]:
     """``rl_engines(backend)``: the session's RL engine for that backend. Users leave it
     resumed, awake and on v1; one killed by a test is started again."""
     return lambda backend: shared_servers.get(f"rl-{backend}")
+
+
+SERVER_ORDER = pytest.StashKey[list]()
+
+
+def pytest_collection_finish(session):
+    """The module servers (each module's ``SERVERS``) in the order the tests need them."""
+    order: list = []
+    for item in session.items:
+        for make in getattr(getattr(item, "module", None), "SERVERS", ()):
+            if make not in order:
+                order.append(make)
+    session.config.stash[SERVER_ORDER] = order
+
+
+@pytest.fixture(scope="session")
+def server_plan(request, tmp_path_factory) -> ServerPlan:
+    """Module servers, each started while the module before it runs (CPU hosts only: on NPU
+    a server starting early would hold chips and device memory)."""
+    order = request.config.stash.get(SERVER_ORDER, [])
+    plan = ServerPlan(
+        tmp_path_factory.mktemp("module-servers"), order, current_profile().kind == "cpu"
+    )
+    yield plan
+    plan.close()
 
 
 @pytest.fixture(scope="session")

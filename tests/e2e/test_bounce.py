@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -16,12 +17,13 @@ import requests
 from tests.support import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
+    TinyModelSpec,
     VLLMServer,
+    build_tiny_model,
     complete,
     engine_args,
     free_port,
     greedy_token_ids,
-    serving,
 )
 from tests.support.metrics import added, scrape
 from tests.support.router import running_router
@@ -49,18 +51,26 @@ def bounce_engine_args() -> list[str]:
     ]
 
 
+def bounce_engine(log_dir: Path) -> list[VLLMServer]:
+    return [
+        VLLMServer(
+            build_tiny_model(TinyModelSpec(seed=1)),
+            max_model_len=512,
+            extra_args=bounce_engine_args(),
+            additional_config=BOUNCE,
+            log_path=log_dir / "bounce.log",
+        )
+    ]
+
+
+SERVERS = (bounce_engine,)
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory, reference_v1):
+def servers(server_plan, reference_v1):
     """The bounce engine, and vLLM's own engine on the same weights: the reference, and where
     the router sends a bounced request."""
-    engine = VLLMServer(
-        tiny_model,
-        max_model_len=512,
-        extra_args=bounce_engine_args(),
-        additional_config=BOUNCE,
-        log_path=tmp_path_factory.mktemp("logs") / "bounce.log",
-    )
-    with serving(engine):
+    with server_plan.serving(bounce_engine) as (engine,):
         yield engine, reference_v1
 
 

@@ -10,6 +10,7 @@ each rank's worker process frees its KV cache.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -18,9 +19,9 @@ from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from tests.support import (
     StreamingCompletion,
     VLLMServer,
+    build_model_pair,
     greedy_token_ids,
     rl_engine_args,
-    serving,
 )
 from tests.support.doctor import doctor
 from tests.support.profile import trainer_env
@@ -31,17 +32,27 @@ from vllm_ascend_rl.client import EngineControlClient
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
+def dp2_engine(log_dir: Path) -> list[VLLMServer]:
+    return [
+        VLLMServer(
+            build_model_pair()[0],
+            log_path=log_dir / "engine-dp2.log",
+            chips=2,
+            extra_args=[
+                *rl_engine_args("ascend_rl_hccl", sleepable=True),
+                *("--data-parallel-size", "2"),
+            ],
+        )
+    ]
+
+
+SERVERS = (dp2_engine,)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory, model_pair, reference_v2):
-    v1, v2 = model_pair
-    engine = VLLMServer(
-        v1,
-        log_path=tmp_path_factory.mktemp("data-parallel") / "engine-dp2.log",
-        chips=2,
-        extra_args=[*rl_engine_args("ascend_rl_hccl", sleepable=True), "--data-parallel-size", "2"],
-    )
-    with serving(engine):
-        yield engine, reference_v2, v2
+def servers(server_plan, model_pair, reference_v2):
+    with server_plan.serving(dp2_engine) as (engine,):
+        yield engine, reference_v2, model_pair[1]
 
 
 def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):

@@ -6,9 +6,11 @@ test_data_parallel.py, which has the DP=2 server.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from tests.support import VLLMServer, engine_args, serving
+from tests.support import VLLMServer, build_model_pair, engine_args
 from tests.support.doctor import doctor
 from tests.support.standin_vllm_ascend import real_vllm_ascend_installed
 
@@ -37,15 +39,23 @@ LOCAL = (  # every other check of this host
 )
 
 
+def no_dev_mode_engine(log_dir: Path) -> list[VLLMServer]:
+    return [
+        VLLMServer(
+            build_model_pair()[0],
+            env={"VLLM_SERVER_DEV_MODE": "0"},
+            log_path=log_dir / "no-dev-mode.log",
+            extra_args=engine_args(),
+        )
+    ]
+
+
+SERVERS = (no_dev_mode_engine,)
+
+
 @pytest.fixture(scope="module")
-def no_dev_mode(tmp_path_factory, model_pair):
-    server = VLLMServer(
-        model_pair[0],
-        env={"VLLM_SERVER_DEV_MODE": "0"},
-        log_path=tmp_path_factory.mktemp("doctor") / "no-dev-mode.log",
-        extra_args=engine_args(),
-    )
-    with serving(server):
+def no_dev_mode(server_plan):
+    with server_plan.serving(no_dev_mode_engine) as (server,):
         yield server
 
 

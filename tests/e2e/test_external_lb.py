@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import requests
@@ -27,7 +28,6 @@ from tests.support import (
     free_port,
     greedy_token_ids,
     rl_engine_args,
-    serving,
 )
 from tests.support.dead_engine import kill_mid_sync
 from tests.support.profile import trainer_env
@@ -53,18 +53,23 @@ def models():
     return build_model_pair()
 
 
-@pytest.fixture(scope="module")
-def engines(models, tmp_path_factory) -> Iterator[tuple[VLLMServer, VLLMServer]]:
-    logs = tmp_path_factory.mktemp("external-lb")
-    a, b = (
+def two_engines(log_dir: Path) -> list[VLLMServer]:
+    return [
         VLLMServer(
-            models[0],
-            log_path=logs / f"engine-{name}.log",
+            build_model_pair()[0],
+            log_path=log_dir / f"engine-{name}.log",
             extra_args=rl_engine_args("ascend_rl_hccl", sleepable=True),
         )
         for name in ("a", "b")
-    )
-    with serving(a, b):
+    ]
+
+
+SERVERS = (two_engines,)
+
+
+@pytest.fixture(scope="module")
+def engines(server_plan) -> Iterator[tuple[VLLMServer, VLLMServer]]:
+    with server_plan.serving(two_engines) as (a, b):
         yield a, b
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,7 +22,6 @@ from tests.support import (
     engine_args,
     free_port,
     greedy_token_ids,
-    serving,
 )
 from tests.support.profile import current_profile, trainer_env
 from tests.support.trainer import TrainerError, TrainerProcess
@@ -59,22 +59,28 @@ def models():
     return build_model_pair()
 
 
+def ipc_tp2_engine(log_dir: Path) -> list[VLLMServer]:
+    return [
+        VLLMServer(
+            build_model_pair()[0],
+            log_path=log_dir / "engine.log",
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
+            chips=2,
+            extra_args=[
+                *engine_args(),
+                *("--tensor-parallel-size", "2"),
+                *("--weight-transfer-config", f'{{"backend": "{BACKEND}"}}'),
+            ],
+        )
+    ]
+
+
+SERVERS = (ipc_tp2_engine,)
+
+
 @pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    server = VLLMServer(
-        models[0],
-        log_path=tmp_path_factory.mktemp("tp2") / "engine.log",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
-        chips=2,
-        extra_args=[
-            *engine_args(),
-            "--tensor-parallel-size",
-            "2",
-            "--weight-transfer-config",
-            f'{{"backend": "{BACKEND}"}}',
-        ],
-    )
-    with serving(server):
+def engine(server_plan):
+    with server_plan.serving(ipc_tp2_engine) as (server,):
         yield server
 
 

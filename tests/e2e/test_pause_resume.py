@@ -9,6 +9,7 @@ Every test leaves the server resumed.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -16,10 +17,11 @@ import requests
 from tests.support import (
     PLUGIN_SCHEDULER,
     StreamingCompletion,
+    TinyModelSpec,
     VLLMServer,
+    build_tiny_model,
     complete,
     engine_args,
-    serving,
 )
 from tests.support.streams import settled
 from vllm_ascend_rl.client import EngineControlClient
@@ -35,18 +37,26 @@ OBSERVE_S = 1.0  # window in which a paused engine must produce nothing
 SCHEDULERS = ("plugin", "plugin-bounce", "default")
 
 
+def bounce_mode_engine(log_dir: Path) -> list[VLLMServer]:
+    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+    return [
+        VLLMServer(
+            build_tiny_model(TinyModelSpec(seed=1)),
+            extra_args=[*args, "--scheduler-cls", PLUGIN_SCHEDULER],
+            log_path=log_dir / "server-plugin-bounce.log",
+            additional_config={"ascend_rl": {"recompute_mode": "bounce"}},
+        )
+    ]
+
+
+SERVERS = (bounce_mode_engine,)
+
+
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory, rl_engines, reference_v1):
+def servers(server_plan, rl_engines, reference_v1):
     """One server per scheduler, on the same weights: the session's RL engine (``plugin``),
     its vLLM engine (``default``), and one in bounce mode."""
-    args = [*engine_args(), "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    bounce = VLLMServer(
-        tiny_model,
-        extra_args=[*args, "--scheduler-cls", PLUGIN_SCHEDULER],
-        log_path=tmp_path_factory.mktemp("logs") / "server-plugin-bounce.log",
-        additional_config={"ascend_rl": {"recompute_mode": "bounce"}},
-    )
-    with serving(bounce):
+    with server_plan.serving(bounce_mode_engine) as (bounce,):
         yield {
             "plugin": rl_engines("ascend_rl_hccl"),
             "plugin-bounce": bounce,

@@ -6,6 +6,7 @@ hold on the device (on CPU: their resident set), read through ``/collective_rpc`
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -39,11 +40,20 @@ def model():
     return build_tiny_model(SPEC)
 
 
-@pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("sleep") / "server.log"
+def sleep_engine(log_dir: Path) -> list[VLLMServer]:
     transfer = ["--weight-transfer-config", '{"backend": "ascend_rl_npu_ipc"}']
-    with sleepable_server(model, log, extra_args=transfer, kv_cache_gib=KV_GIB) as srv:
+    model = build_tiny_model(SPEC)
+    return [
+        sleepable_server(model, log_dir / "server.log", extra_args=transfer, kv_cache_gib=KV_GIB)
+    ]
+
+
+SERVERS = (sleep_engine,)
+
+
+@pytest.fixture(scope="module")
+def server(server_plan):
+    with server_plan.serving(sleep_engine) as (srv,):
         yield srv
 
 

@@ -9,6 +9,8 @@ weights is the same TP=2 engine loading the checkpoint from disk with vLLM's own
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.e2e.test_pause_resume import (  # the same matrix, run on this module's server
@@ -23,7 +25,6 @@ from tests.support import (
     build_model_pair,
     greedy_token_ids,
     rl_engine_args,
-    serving,
 )
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
@@ -45,21 +46,29 @@ def models():
     return build_model_pair(SPEC)
 
 
+def tp2_engine(log_dir: Path) -> list[VLLMServer]:
+    return [
+        VLLMServer(
+            build_model_pair(SPEC)[0],
+            log_path=log_dir / "engine-tp2.log",
+            env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
+            kv_cache_gib=KV_GIB,
+            chips=2,
+            extra_args=[
+                *rl_engine_args("ascend_rl_hccl", sleepable=True),
+                *("--tensor-parallel-size", "2"),
+                *("--enable-prefix-caching", "--enable-prompt-tokens-details"),  # pause tests
+            ],
+        )
+    ]
+
+
+SERVERS = (tp2_engine,)
+
+
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    srv = VLLMServer(
-        models[0],
-        log_path=tmp_path_factory.mktemp("tp2") / "engine-tp2.log",
-        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
-        kv_cache_gib=KV_GIB,
-        chips=2,
-        extra_args=[
-            *rl_engine_args("ascend_rl_hccl", sleepable=True),
-            *("--tensor-parallel-size", "2"),
-            *("--enable-prefix-caching", "--enable-prompt-tokens-details"),  # pause tests
-        ],
-    )
-    with serving(srv):
+def server(server_plan):
+    with server_plan.serving(tp2_engine) as (srv,):
         yield srv
 
 

@@ -7,12 +7,16 @@ on greedy tokens, not on /health.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import requests
 
 from tests.support import (
     StreamingCompletion,
+    TinyModelSpec,
+    VLLMServer,
+    build_tiny_model,
     greedy_token_ids,
 )
 from tests.support.sleep_servers import leave_awake, sleepable_server
@@ -36,11 +40,18 @@ def server(rl_engines):
     return rl_engines("ascend_rl_hccl")
 
 
+def upstream_sleep_engine(log_dir: Path) -> list[VLLMServer]:
+    model = build_tiny_model(TinyModelSpec(seed=1))
+    return [sleepable_server(model, log_dir / "server.log", scheduler=None)]
+
+
+SERVERS = (upstream_sleep_engine,)
+
+
 @pytest.fixture(scope="module")
-def upstream_server(tiny_model, tmp_path_factory):
+def upstream_server(server_plan):
     """vLLM's own scheduler with the same worker: what upstream's engine core decides."""
-    log = tmp_path_factory.mktemp("sleep-misuse-upstream") / "server.log"
-    with sleepable_server(tiny_model, log, scheduler=None) as srv:
+    with server_plan.serving(upstream_sleep_engine) as (srv,):
         yield srv
 
 

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from tests.support import PLUGIN_SCHEDULER, VLLMServer, engine_args
 from tests.support.profile import current_profile
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
 
-@contextmanager
 def sleepable_server(
     model: str | os.PathLike,
     log_path: str | os.PathLike,
@@ -19,9 +17,9 @@ def sleepable_server(
     scheduler: str | None = PLUGIN_SCHEDULER,
     extra_args: Sequence[str] = (),
     kv_cache_gib: int = 1,
-) -> Iterator[VLLMServer]:
-    """A started server with the sleepable worker (``scheduler=None``: vLLM's own)."""
-    srv = VLLMServer(
+) -> VLLMServer:
+    """A server (not started) with the sleepable worker (``scheduler=None``: vLLM's own)."""
+    return VLLMServer(
         model,
         kv_cache_gib=kv_cache_gib,
         log_path=log_path,
@@ -33,11 +31,6 @@ def sleepable_server(
             *extra_args,
         ],
     )
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def leave_awake(client: EngineControlClient, model: str | os.PathLike) -> None:

@@ -17,19 +17,7 @@ BROKEN_ENV = {  # variable (its check: "environment: <variable>"): (value, what 
 }
 
 
-def test_a_broken_environment_fails_naming_each_fix():
-    """Four broken settings in one run (a doctor run costs a vLLM import): each fails on
-    its own check, naming its fix, and nothing else fails."""
-    env = {k: value for k, (value, _) in BROKEN_ENV.items()}
-    code, checks = doctor("--timeout-s", "60", env=env)
-    assert code == 1
-    for name, (_, fix) in BROKEN_ENV.items():
-        check = checks[f"environment: {name}"]
-        assert check["status"] == "fail", check
-        assert fix in check["fix"], check
-    failed = sorted(c["name"] for c in checks.values() if c["status"] == "fail")
-    assert failed == sorted(BROKEN_ENV)
-
+TAKEN = "registration: WeightTransferEngineFactory 'ascend_rl_hccl'"
 
 FOREIGN = """
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
@@ -44,9 +32,11 @@ def register():
 """
 
 
-def test_a_foreign_engine_under_our_name_fails(tmp_path: Path):
-    """A plugin discovered before ours (on PYTHONPATH) takes ``ascend_rl_hccl``: our
-    registration logs and skips it, so vLLM would build the foreign engine."""
+def test_a_broken_set_up_fails_naming_each_fix(tmp_path: Path):
+    """One run (a doctor run costs a vLLM import) with four broken settings and a plugin
+    discovered before ours (on PYTHONPATH) that takes ``ascend_rl_hccl``: our registration
+    logs and skips the name, so vLLM would build the foreign engine. Each fails on its own
+    check, naming its fix, and nothing else fails."""
     (tmp_path / "foreign_plugin.py").write_text(FOREIGN)
     dist = tmp_path / "foreign_plugin-0.1.dist-info"
     dist.mkdir()
@@ -55,10 +45,17 @@ def test_a_foreign_engine_under_our_name_fails(tmp_path: Path):
         "[vllm.general_plugins]\nforeign_plugin = foreign_plugin:register\n"
     )
     path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    code, checks = doctor(env={"PYTHONPATH": path}, cwd=str(tmp_path))
+    env = {"PYTHONPATH": path, **{k: value for k, (value, _) in BROKEN_ENV.items()}}
+    code, checks = doctor("--timeout-s", "60", env=env, cwd=str(tmp_path))
     assert code == 1
-    taken = checks["registration: WeightTransferEngineFactory 'ascend_rl_hccl'"]
+    for name, (_, fix) in BROKEN_ENV.items():
+        check = checks[f"environment: {name}"]
+        assert check["status"] == "fail", check
+        assert fix in check["fix"], check
+    taken = checks[TAKEN]
     assert taken["status"] == "fail"
     assert taken["found"] == "taken by foreign_plugin.ForeignEngine"
     assert "uninstall the plugin that registers 'ascend_rl_hccl'" in taken["fix"]
     assert checks["registration: WeightTransferEngineFactory 'ascend_rl_npu_ipc'"]["status"] == "ok"
+    failed = sorted(n for n, c in checks.items() if c["status"] == "fail")
+    assert failed == sorted([TAKEN, *(f"environment: {name}" for name in BROKEN_ENV)])
