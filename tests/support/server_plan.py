@@ -8,6 +8,7 @@ directory of its own and returns the servers, not started. Its fixture takes the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +22,17 @@ Maker = Callable[[Path], Sequence[VLLMServer]]
 PREFETCH_NICENESS = 10  # a starting server yields to the running module's tests
 
 
+def restore_priority(server: VLLMServer) -> None:
+    """Give a prefetched server the priorities of one started now: its API server 0, its
+    engine processes the profile's. (Lowering a niceness needs CAP_SYS_NICE; without it
+    the server keeps the lower priority.)"""
+    with contextlib.suppress(psutil.Error):
+        api_server = psutil.Process(server.proc.pid)
+        api_server.nice(0)
+        for child in api_server.children(recursive=True):
+            child.nice(server.profile.engine_niceness)
+
+
 class ServerPlan:
     def __init__(self, log_dir: Path, order: Sequence[Maker], prefetch: bool) -> None:
         self.log_dir, self.order, self.prefetch = log_dir, list(order), prefetch
@@ -30,13 +42,16 @@ class ServerPlan:
     def serving(self, make: Maker) -> Iterator[Sequence[VLLMServer]]:
         """``make``'s servers, healthy, until the block ends; then stopped. Starts the next
         maker's servers in the background (on a CPU host)."""
-        servers = self._started.pop(make, None) or self._start(make)
+        prefetched = self._started.pop(make, None)
+        servers = prefetched or self._start(make)
         for other in list(self._started):  # started for a module that did not run
             self._stop(self._started.pop(other))
         self._start_next(make)
         try:
             for server in servers:
                 server.wait_healthy()
+                if prefetched:
+                    restore_priority(server)
             yield servers
         finally:
             self._stop(servers)
