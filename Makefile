@@ -34,8 +34,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The Ray example runs on the default release only: the AsyncLLM methods it calls are the ones
+# the HTTP routes call, which both legs test, and it costs 80 s of the CI budget per leg.
+ONCE := $(if $(filter 0.32.0,$(VLLM)),,--deselect tests/e2e/test_ray_example.py)
+
 test: lint
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(ONCE)
 
 # On an Ascend host, inside the Ascend software stack (vLLM + vllm-ascend + torch_npu + CANN
 # already installed, this package with `pip install -e ".[test]"`): every test marked `ascend`

@@ -2,7 +2,8 @@
 its ``--engine`` checks against real servers: the session's RL engine passes; a
 server started without ``VLLM_SERVER_DEV_MODE=1`` and vLLM's own engine (no plugin scheduler,
 no weight-transfer backend) each fail naming the fix. (Two engines of different world sizes:
-test_data_parallel.py, which has the DP=2 server.)"""
+test_data_parallel.py, which has the DP=2 server.) The ``--engine`` checks are HTTP only: past
+the first run, they run in this process."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import VLLMServer, build_model_pair, engine_args
-from tests.support.doctor import doctor
+from tests.support.doctor import doctor, engine_checks
 from tests.support.standin_vllm_ascend import real_vllm_ascend_installed
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -92,8 +93,7 @@ def test_a_server_without_dev_mode_and_a_plain_vllm_engine_fail(
     rl_engines, reference_v1, no_dev_mode
 ):
     rl, plain, bare = rl_engines("ascend_rl_hccl").url, reference_v1.url, no_dev_mode.url
-    code, checks = doctor("--engine", rl, "--engine", plain, "--engine", bare)
-    assert code == 1
+    checks = engine_checks(rl, plain, bare)
     failed = {n: c for n, c in checks.items() if c["status"] == "fail"}
     assert set(failed) == {
         f"engine {bare}: dev mode",

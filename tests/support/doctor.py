@@ -1,4 +1,6 @@
-"""Run ``python -m vllm_ascend_rl.doctor --json`` as a user runs it, in a fresh interpreter."""
+"""Run ``python -m vllm_ascend_rl.doctor --json`` as a user runs it, in a fresh interpreter;
+or only its ``--engine`` checks, in this process (they are HTTP only; a run costs a vLLM
+import)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
+
+from vllm_ascend_rl.doctor import engines
 
 # Settings a broken set-up test sets; removed from the inherited environment first.
 DOCTOR_ENV = ("RANK_TABLE_FILE", "HCCL_CONNECT_TIMEOUT", "HCCL_EXEC_TIMEOUT")
@@ -29,3 +34,8 @@ def doctor(
         timeout=300,
     )
     return out.returncode, {f"{c['area']}: {c['name']}": c for c in json.loads(out.stdout)}
+
+
+def engine_checks(*urls: str) -> dict[str, dict]:
+    """The doctor's ``--engine`` checks of ``urls``, by ``"<area>: <name>"``."""
+    return {f"{c.area}: {c.name}": asdict(c) for c in engines.checks(list(urls), timeout_s=60)}
