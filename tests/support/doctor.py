@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterable
 from dataclasses import asdict
 
 from vllm_ascend_rl.doctor import engines
@@ -33,9 +34,13 @@ def doctor(
         text=True,
         timeout=300,
     )
-    return out.returncode, {f"{c['area']}: {c['name']}": c for c in json.loads(out.stdout)}
+    return out.returncode, by_name(json.loads(out.stdout))
 
 
 def engine_checks(*urls: str) -> dict[str, dict]:
     """The doctor's ``--engine`` checks of ``urls``, by ``"<area>: <name>"``."""
-    return {f"{c.area}: {c.name}": asdict(c) for c in engines.checks(list(urls), timeout_s=60)}
+    return by_name(asdict(c) for c in engines.checks(list(urls), timeout_s=60))
+
+
+def by_name(checks: Iterable[dict]) -> dict[str, dict]:
+    return {f"{c['area']}: {c['name']}": c for c in checks}

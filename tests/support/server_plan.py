@@ -44,8 +44,7 @@ class ServerPlan:
         maker's servers in the background (on a CPU host)."""
         prefetched = self._started.pop(make, None)
         servers = prefetched or self._start(make)
-        for other in list(self._started):  # started for a module that did not run
-            self._stop(self._started.pop(other))
+        self.close()  # anything else started ahead was for a module that did not run
         self._start_next(make)
         try:
             for server in servers:
@@ -57,6 +56,7 @@ class ServerPlan:
             self._stop(servers)
 
     def close(self) -> None:
+        """Stop the servers started ahead."""
         for servers in self._started.values():
             self._stop(servers)
         self._started.clear()
