@@ -50,13 +50,21 @@ VmmStatus gone() { return VmmStatus{0, 0, nullptr, nullptr}; }
 
 // Release an entry's physical memory, recording each step as it succeeds (the mutex is held, as
 // torch_memory_saver's pause holds it across cuMemUnmap/cuMemRelease).
+VmmStatus unmap(VmmEntry& e) {
+  const VmmBackend* b = e.backend;
+  if (e.mapped) {
+    int err = b->unmap(e.addr, e.size, e.device);
+    if (err != 0) return failed(b, "unmap", err);
+    e.mapped = 0;
+  }
+  return ok(b);
+}
+
 VmmStatus release_physical(VmmEntry& e) {
   const VmmBackend* b = e.backend;
   int err;
-  if (e.mapped) {
-    if ((err = b->unmap(e.addr, e.size, e.device)) != 0) return failed(b, "unmap", err);
-    e.mapped = 0;
-  }
+  VmmStatus st = unmap(e);
+  if (st.err != 0) return st;
   if (e.handle != 0) {
     uint64_t handle = e.handle;
     e.handle = 0;  // a host handle number or an ACL handle is never freed twice
@@ -150,6 +158,13 @@ VmmStatus vmm_table_sleep(uint64_t addr, uint64_t id) {
   std::lock_guard<std::mutex> lock(t.mutex);
   VmmEntry* e = find(t, addr, id);
   return e == nullptr ? gone() : release_physical(*e);
+}
+
+VmmStatus vmm_table_unmap(uint64_t addr, uint64_t id) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  VmmEntry* e = find(t, addr, id);
+  return e == nullptr ? gone() : unmap(*e);
 }
 
 VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate) {

@@ -1,9 +1,11 @@
 // Host back end of vmm.h: the CPU stand-in for CANN virtual memory. A reserved range is an
-// anonymous PROT_NONE mapping; "physical memory" is a handle that records a size. Mapping it
-// replaces part of the reservation with private anonymous memory (MAP_FIXED; not shmem, which
-// costs twice as much to populate, benchmarks/README.md), populated on request; unmapping puts
-// PROT_NONE back, returning the pages at once while the address stays ours. A handle maps at
-// one address at a time, and contents do not outlive an unmap.
+// anonymous PROT_NONE mapping; "physical memory" is a handle that records a size and, once
+// mapped, the address its pages live at. Mapping a fresh handle replaces part of the
+// reservation with private anonymous memory (MAP_FIXED; not shmem, which costs twice as much to
+// populate, benchmarks/README.md), populated on request. As with aclrtUnmapMem, an unmap keeps
+// the physical memory and its contents (the range becomes PROT_NONE, the pages stay) until the
+// handle is freed, which gives the pages back at once; mapping the handle again at the same
+// address restores access to the same contents. A handle maps at one address only.
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
@@ -27,17 +29,34 @@ int host_granularity(int, size_t* out) {
   return 0;
 }
 
-// Live handles and their sizes: a handle that is not one of ours is EBADF, never a guess.
+// Live handles: a handle that is not one of ours is EBADF, never a guess.
+struct Handle {
+  size_t size;
+  uint64_t pages_at;  // the address its pages live at, mapped or not; 0 before the first map
+};
 std::mutex g_handles_lock;
-std::unordered_map<uint64_t, size_t> g_handles;
+std::unordered_map<uint64_t, Handle> g_handles;
 uint64_t g_next_handle = 1;  // never 0: the entry points read 0 as "no handle"
 
-bool handle_size(uint64_t handle, size_t* size) {
+bool find_handle(uint64_t handle, Handle* out) {
   std::lock_guard<std::mutex> lock(g_handles_lock);
   auto it = g_handles.find(handle);
   if (it == g_handles.end()) return false;
-  *size = it->second;
+  *out = it->second;
   return true;
+}
+
+void set_pages_at(uint64_t handle, uint64_t addr) {
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  auto it = g_handles.find(handle);
+  if (it != g_handles.end()) it->second.pages_at = addr;
+}
+
+// Give the pages of [addr, addr + size) back to the kernel; the range stays reserved.
+int drop_pages(uint64_t addr, size_t size) {
+  void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? errno : 0;
 }
 
 int host_reserve(size_t size, int, uint64_t* addr) {
@@ -71,20 +90,25 @@ int host_create(size_t size, int, int populate, uint64_t* handle) {
   if (populate && avail != 0 && size > avail) return ENOMEM;
   std::lock_guard<std::mutex> lock(g_handles_lock);
   *handle = g_next_handle++;
-  g_handles[*handle] = size;
+  g_handles[*handle] = Handle{size, 0};
   return 0;
 }
 
 int host_free(uint64_t handle, int) {
-  std::lock_guard<std::mutex> lock(g_handles_lock);
-  return g_handles.erase(handle) == 1 ? 0 : EBADF;
+  Handle h{};
+  {
+    std::lock_guard<std::mutex> lock(g_handles_lock);
+    auto it = g_handles.find(handle);
+    if (it == g_handles.end()) return EBADF;
+    h = it->second;
+    g_handles.erase(it);
+  }
+  return h.pages_at != 0 ? drop_pages(h.pages_at, h.size) : 0;
 }
 
+// The pages stay (as physical memory stays with its handle on ACL); only access goes.
 int host_unmap(uint64_t addr, size_t size, int) {
-  void* want = reinterpret_cast<void*>(addr);
-  void* p = mmap(want, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
-                 -1, 0);
-  return p == MAP_FAILED ? errno : 0;
+  return mprotect(reinterpret_cast<void*>(addr), size, PROT_NONE) == 0 ? 0 : errno;
 }
 
 // Write-fault every page now, in one kernel call. MADV_POPULATE_WRITE (Linux 5.14) reports a
@@ -126,19 +150,27 @@ int populate_range(void* p, size_t size) {
   return 0;
 }
 
-int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int device) {
-  size_t have = 0;
-  if (!handle_size(handle, &have)) return EBADF;
-  if (size > have) return EINVAL;
+int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int) {
+  Handle h{};
+  if (!find_handle(handle, &h)) return EBADF;
+  if (size > h.size) return EINVAL;
   void* want = reinterpret_cast<void*>(addr);
+  if (h.pages_at == addr) {  // mapped here before: the same pages, the same contents
+    return mprotect(want, size, PROT_READ | PROT_WRITE) == 0 ? 0 : errno;
+  }
+  if (h.pages_at != 0) return EINVAL;  // its pages live elsewhere
   // MAP_NORESERVE: no commit charge up front; what is committed is what `populate` (or a
   // touch) faults in, as create's check intends.
   void* p = mmap(want, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return errno;
   int err = p == want ? (populate ? populate_range(p, size) : 0) : EFAULT;
-  if (err != 0) host_unmap(addr, size, device);  // never leave a half-made mapping behind
-  return err;
+  if (err != 0) {
+    drop_pages(addr, size);  // never leave a half-made mapping behind
+    return err;
+  }
+  set_pages_at(handle, addr);
+  return 0;
 }
 
 // Fresh anonymous pages are zero already (maps_zeroed); this serves an explicit request.

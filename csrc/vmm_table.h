@@ -57,8 +57,12 @@ VMM_API VmmStatus vmm_table_allocate(const VmmBackend* b, uint64_t size, int dev
 // succeeds, and a handle is forgotten before it is freed: a failed free is never retried.
 VMM_API VmmStatus vmm_table_sleep(uint64_t addr, uint64_t id);
 
-// Back an unmapped entry with new physical memory and map it (populated if asked); on failure
-// the memory this call created is freed again. A mapped entry is left alone.
+// Unmap the entry if mapped, keeping its handle: its physical memory and contents stay until
+// vmm_table_sleep frees them, and vmm_table_wake maps them back. The step a sleep can undo.
+VMM_API VmmStatus vmm_table_unmap(uint64_t addr, uint64_t id);
+
+// Map an unmapped entry: its own handle if it kept one (contents as they were), else new
+// physical memory (populated if asked), freed again on failure. A mapped entry is left alone.
 VMM_API VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate);
 
 // vmm_table_sleep, then release the range and forget the entry. A failing step leaves the entry

@@ -78,6 +78,7 @@ for _name, _res, _args in (
         [POINTER(_Backend), u64, c_int, c_int, c_char_p, POINTER(_Entry)],
     ),
     ("vmm_table_sleep", _Status, [u64, u64]),
+    ("vmm_table_unmap", _Status, [u64, u64]),
     ("vmm_table_wake", _Status, [u64, u64, c_int]),
     ("vmm_table_free", _Status, [u64, u64]),
     ("vmm_table_retag", c_int, [u64, u64, c_char_p]),
@@ -188,8 +189,13 @@ def table_sleep(addr: int, id_: int) -> bool:
     return _found(_lib.vmm_table_sleep(_u64(addr), _u64(id_)))
 
 
+def table_unmap(addr: int, id_: int) -> bool:
+    """Unmap the entry, keeping its physical memory and contents; False if there is none."""
+    return _found(_lib.vmm_table_unmap(_u64(addr), _u64(id_)))
+
+
 def table_wake(addr: int, id_: int, populate: bool = True) -> bool:
-    """Back and map an unmapped entry; False if there is no such entry."""
+    """Map an unmapped entry: its kept physical memory, else new; False if there is none."""
     return _found(_lib.vmm_table_wake(_u64(addr), _u64(id_), populate))
 
 

@@ -205,19 +205,15 @@ class CaMemAllocator:
     def sleep(self, offload_tags: Iterable[str] | str | None = None) -> None:
         """Back up ``offload_tags`` to host memory, then release the physical memory of every
         awake allocation but ``sleep_persistent`` (addresses stay reserved). Drains the device
-        first, or queued work could write after the backup or touch unmapped memory. Nothing may
-        free them through the entry points meanwhile (torch_npu frees a pool's segments only
-        once the pool is gone; device/npu.py keeps every pool)."""
+        first, or queued work could write after the backup or touch unmapped memory. All or
+        nothing (:meth:`_release`). Nothing may free them through the entry points meanwhile
+        (torch_npu frees a pool's segments only once the pool is gone; device/npu.py keeps
+        every pool)."""
         offload = _tags(offload_tags) or set()
         with self._lock:
             victims = [a for a in self._entries() if a.mapped and a.tag != PERSISTENT_TAG]
             self._drain(victims)
-            for alloc in victims:
-                if alloc.tag in offload:
-                    self._back_up(alloc)
-                else:
-                    self._outdate_backup(alloc.addr)
-                self._call("table_sleep", alloc.addr, alloc.id)
+            self._release(victims, offload, f"sleep (offloading {sorted(offload) or 'nothing'})")
 
     def wake_up(self, tags: Iterable[str] | str | None = None) -> None:
         """Map fresh, populated memory at the same addresses for ``tags`` (all if None) and
@@ -247,16 +243,16 @@ class CaMemAllocator:
 
     def discard(self, tags: Iterable[str] | str) -> None:
         """Release ``tags`` without keeping their contents; they wake zero-filled. A backup of
-        one already asleep is dropped too, or it would wake with pre-discard contents."""
+        one already asleep is dropped too, or it would wake with pre-discard contents. All or
+        nothing, as :meth:`sleep`."""
         wanted = _tags(tags) or set()
         with self._lock:
             chosen = [a for a in self._entries() if a.tag in wanted and a.tag != PERSISTENT_TAG]
-            self._drain([a for a in chosen if a.mapped])
+            awake = [a for a in chosen if a.mapped]
+            self._drain(awake)
+            self._release(awake, set(), f"discard({sorted(wanted)})")
             for alloc in chosen:
-                if alloc.mapped:
-                    self._outdate_backup(alloc.addr)
-                    self._call("table_sleep", alloc.addr, alloc.id)
-                elif alloc.has_backup:
+                if not alloc.mapped and alloc.has_backup:
                     logger.warning(
                         "discard(%s): dropping the sleep backup of 0x%x", alloc.tag, alloc.addr
                     )
@@ -322,6 +318,56 @@ class CaMemAllocator:
         elif not self.maps_zeroed:
             self._call("zero", self.backend, alloc.addr, alloc.size, alloc.device)
 
+    def _release(self, victims: list[Allocation], offload: set[str], what: str) -> None:
+        """Release the victims' physical memory, those tagged in ``offload`` backed up first.
+        All or nothing: every backup is taken and every victim unmapped with its physical
+        memory kept before any is freed; a failure at any of them maps back what was unmapped
+        (the same memory, contents as they were) and raises SleepError: still awake. vLLM marks
+        the executor asleep only if the call returns (``executor/abstract.py``, sleep), so a
+        half-done sleep would let ``/wake_up`` resume generation on unmapped memory. A free
+        that fails after that is logged, never raised: the allocation is asleep either way."""
+        kept = [a for a in victims if a.tag in offload]
+        backed_up: list[Allocation] = []
+        unmapped: list[Allocation] = []
+        try:
+            for alloc in kept:
+                self._back_up(alloc)
+                backed_up.append(alloc)
+            for alloc in victims:
+                self._call("table_unmap", alloc.addr, alloc.id)
+                unmapped.append(alloc)
+        except Exception as e:
+            if len(backed_up) < len(kept):
+                step, at, steps = "backing up", len(backed_up), len(kept)
+            else:
+                step, at, steps = "unmapping", len(unmapped), len(victims)
+            lost = [a for a in unmapped if not self._map_back(a)]
+            for alloc in kept:
+                self._outdate_backup(alloc.addr)
+            state = "every allocation is mapped as it was"
+            if lost:
+                state = f"{len(lost)} allocation(s) could not be mapped back (see the log)"
+            raise SleepError(
+                f"{what} failed {step} allocation {at + 1} of {steps} and was rolled back: "
+                f"{state} ({type(e).__name__}: {e})"
+            ) from e
+        for alloc in victims:
+            if alloc.tag not in offload:
+                self._outdate_backup(alloc.addr)
+            try:
+                self._call("table_sleep", alloc.addr, alloc.id)
+            except SleepError as e:  # unmapped, its handle forgotten: asleep, memory leaked
+                logger.error("%s: 0x%x is asleep, its memory not freed: %s", what, alloc.addr, e)
+
+    def _map_back(self, alloc: Allocation) -> bool:
+        """Map an allocation a failed sleep unmapped (its own physical memory); False if not."""
+        try:
+            self._call("table_wake", alloc.addr, alloc.id, False)
+        except SleepError as e:
+            logger.error("rolling back a failed sleep: 0x%x stays unmapped: %s", alloc.addr, e)
+            return False
+        return True
+
     def _drain(self, allocations: Iterable[Allocation]) -> None:
         for index in sorted({a.device for a in allocations}):
             self._hw(index).synchronize()
@@ -354,18 +400,22 @@ def _default_backend() -> str:
     return "acl" if device_kind() == "npu" else "host"
 
 
-def check_npu_alloc_conf() -> None:
-    """Refuse torch_npu allocator settings under which it maps or frees pool memory behind
-    our back: expandable segments (its expandable branch runs before the pool branch,
+def check_npu_alloc_conf(conf: str | None = None) -> None:
+    """Refuse torch_npu allocator settings (``conf``, default this process's
+    ``PYTORCH_NPU_ALLOC_CONF``) under which it maps or frees pool memory behind our back:
+    expandable segments (its expandable branch runs before the pool branch,
     NPUCachingAllocator.cpp:2707-2724 in torch_npu 2.10.0.post4) and ``max_split_size_mb``
     (its OOM retry, ``release_available_cached_blocks`` ``:2764``, releases cached blocks of
     the current pool with a plain ``aclrtFree`` in ``release_block``, ``:2858-2897``)."""
-    conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "").replace(" ", "").lower()
+    if conf is None:
+        conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "")
+    conf = conf.replace(" ", "").lower()
     if "expandable_segments:true" in conf:
         raise SleepError(
             "sleep mode needs PYTORCH_NPU_ALLOC_CONF without expandable_segments:True "
             f"(it is {conf!r}): expandable segments map memory outside the sleep allocator, "
-            "which then cannot release it. Set expandable_segments:False or unset it."
+            "which then cannot release it. Set expandable_segments:False (unset, vllm-ascend turns "
+            "them on)."
         )
     if "max_split_size_mb" in conf:
         raise SleepError(

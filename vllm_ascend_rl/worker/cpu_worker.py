@@ -1,7 +1,8 @@
 """SleepableCPUWorker: vLLM's CPU worker with a real /sleep and /wake_up (docs/sleep-mode.md).
-The KV cache (one buffer every layer views) lives in the sleep allocator's host memory and wakes
-zero-filled at the same address; level 2 also discards the weights (parameters and CPU linear
-layers' packed copies), which must be reloaded before the KV cache may wake."""
+The weights and the KV cache (one buffer every layer views) live in the sleep allocator's host
+memory, as on NPU: level 1 backs the weights up and releases both, waking them at the same
+addresses (the KV cache zero-filled); level 2 also discards the weights (parameters and CPU
+linear layers' packed copies), which must be reloaded before the KV cache may wake."""
 
 from __future__ import annotations
 
@@ -73,8 +74,11 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         return CaMemAllocator.get_instance("host", device=worker_index(self.parallel_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
-        # Only the KV cache: CPU weights stay torch tensors (level 2 discards their storage).
-        return self.allocator.use_memory_pool(tag) if tag == "kv_cache" else nullcontext()
+        # The weights and the KV cache come from the sleep pools, as on NPU: a level-1 sleep
+        # backs the weights up allocation by allocation. (vLLM's packed linear copies are
+        # made outside the pool: level 2 drops them with the parameters' storage.)
+        pooled = tag in ("weights", "kv_cache")
+        return self.allocator.use_memory_pool(tag) if pooled else nullcontext()
 
     def initialize_from_config(self, *args, **kwargs) -> None:
         # vLLM 0.27.1 pools all of initialize_kv_cache, 0.32 only the KV allocation.
@@ -84,11 +88,11 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
     # -- sleep / wake ------------------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
         self.check_sleep_level(level)
+        released = release_for_sleep(self, self.camem_backend, level)  # all or nothing
         if level >= 2:
             self._discard_weights()
-        released = release_for_sleep(self, self.camem_backend, level)
         logger.info(
-            "sleep level %d: released %.1f MiB of KV cache%s",
+            "sleep level %d: released %.1f MiB of the sleep pools%s",
             level,
             released / 2**20,
             f" and {sum(n for *_, n in self._discarded.values()) / 2**20:.1f} MiB of parameters"
@@ -124,6 +128,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
                 # /weight_checker digests through .numpy()) can never be resized again.
                 param.set_()  # the old storage is freed with its last reference
         self._needs_reload = True
+        self.allocator.device.empty_cache()  # the host heap gives the storage back
 
     @torch.no_grad()
     def _restore_weight_storage(self) -> None:
