@@ -173,3 +173,31 @@ def test_the_trainers_init_choices_reach_the_engines_init_info(zero_copy):
     (engine_info,) = sent
     assert engine_info["zero_copy"] is zero_copy
     assert (engine_info["timeout_s"], engine_info["packed"]) == (7, False)
+
+
+def test_the_update_hooks_run_in_the_engines_vllm_config(monkeypatch):
+    """vLLM's workers call the engine's update hooks inside ``set_current_vllm_config``,
+    vllm-ascend's ``NPUWorker`` outside it (worker.py:297-336 at 182b75e), where
+    ``get_current_vllm_config()`` raises: the engine sets it itself, so what runs inside (a
+    model's ``load_weights``, a layer's post-load processing) reads it on NPU too. Each hook
+    is called here as NPUWorker calls it; what it runs records the config it sees."""
+    from vllm.config import get_current_vllm_config
+
+    engine, seen = _engine(), []
+
+    def record(*_args, **_kwargs):
+        seen.append(get_current_vllm_config())
+
+    monkeypatch.setattr("vllm_ascend_rl.weight_transfer.engine_side.require_up", record)
+    for step in ("start", "finish", "cancel"):
+        monkeypatch.setattr(engine.session, step, record)
+    monkeypatch.setattr(engine, "parse_update_info", lambda info: info)
+    monkeypatch.setattr(engine, "receive_weights", record)
+    monkeypatch.setattr(engine, "disconnect", record)
+    # No accelerator here: a no-op, as vLLM's CPU model runner makes it (cpu_model_runner.py:178).
+    monkeypatch.setattr("torch.accelerator.synchronize", lambda *_: None)
+    engine.start_weight_update()
+    engine.update_weights({})
+    engine.finish_weight_update()
+    engine.shutdown()
+    assert seen and all(config is engine.vllm_config for config in seen), seen
