@@ -267,7 +267,11 @@ class WeightSyncCases(WeightSyncServers):
     def test_trainer_dying_mid_transfer(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
     ):
-        timeout_s = 10
+        """The engine's update fails as soon as the trainer is gone, not after the exec
+        timeout: the channel is aborted first and nothing waits on the device behind the dead
+        trainer's collective (N3; the CPU stand-in holds it queued for the exec timeout, as
+        HCCL does, so a device-wide sync on the failure path would wait ``timeout_s``)."""
+        timeout_s = 30
         env = self.trainer_env(plugin_env, engine)
         segments_before = staging_segments()
         counted = scrape(engine.url)
@@ -282,10 +286,9 @@ class WeightSyncCases(WeightSyncServers):
         while staging_segments() - segments_before and time.monotonic() < t0 + 30:
             time.sleep(0.2)
         assert not staging_segments() - segments_before, "a dead trainer's segments remain"
-        # The engine's update fails within timeout_s, with a message, and it keeps serving.
-        deadline = t0 + timeout_s + 30
+        # The engine's update fails before the exec timeout, with a message; it keeps serving.
         while "weight transfer failed" not in engine.log_path.read_text(errors="replace"):
-            assert time.monotonic() < deadline, "engine did not report the failed transfer"
+            assert time.monotonic() < t0 + timeout_s, "the failure waited behind the collective"
             time.sleep(0.5)
         # The layers loaded before the crash were restored: the engine serves exactly v1.
         self.assert_alive_and_intact(engine, v1_probe)

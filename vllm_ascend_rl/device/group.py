@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -23,12 +24,36 @@ if TYPE_CHECKING:
 GROUP_NAME = "vllm_ascend_rl_weights"
 
 
-def exec_timeout_s(timeout_s: float) -> int:
-    """How long (``timeout_s`` rounded up to whole seconds) a collective of our group may stay
-    queued on the device. On NPU it is the communicator's ``hccl_exec_timeout``, so a broadcast
-    hung on a dead trainer leaves the HCCL stream near our deadline, not after
-    HCCL_EXEC_TIMEOUT (1836 s); until then every device-wide synchronize waits behind it."""
-    return max(1, math.ceil(timeout_s))
+# vllm-ascend's HCCL buffer for its own groups, in MB (_DEFAULT_BUFFER_SIZE, utils.py:70).
+HCCL_BUFFER_MB = 200
+# How long HCCL holds a collective when the communicator sets no exec timeout: torch_npu 2.10
+# assumes HCCL_EXEC_TIMEOUT's default (ProcessGroupHCCL.cpp:77, 1194-1197).
+HCCL_DEFAULT_EXEC_TIMEOUT_S = 1836
+
+
+def hccl_config(timeout_s: float, group_id: str) -> dict[str, int | str]:
+    """Our group's HCCL communicator settings (``ProcessGroupHCCL.Options.hccl_config``, read in
+    ``createHcclCommConfigWithOptions``, ProcessGroupHCCL.cpp:3907-4076, torch_npu 2.10.0.post4):
+
+    - ``hccl_exec_timeout``: whole seconds (an int32, ``:3998-4013``) a collective may stay
+      queued on the device: ``timeout_s`` rounded up, so one hung on a dead trainer leaves the
+      HCCL stream, and every device-wide wait behind it, about when we give up on it;
+    - ``hccl_buffer_size``: MB, as vllm-ascend sizes its groups' (utils.py:960-991);
+    - ``group_name``: the rendezvous in plain characters, HCCL's user-defined info for its logs
+      (hcclUdi, ``:3935-3948``).
+
+    The CPU stand-in holds a failed collective queued for the same exec timeout
+    (:func:`exec_timeout_of`)."""
+    return {
+        "hccl_buffer_size": HCCL_BUFFER_MB,
+        "group_name": re.sub(r"[^A-Za-z0-9_]+", "_", group_id).strip("_"),
+        "hccl_exec_timeout": max(1, math.ceil(timeout_s)),
+    }
+
+
+def exec_timeout_of(config: dict[str, int | str]) -> int:
+    """How long a collective of a group built with ``config`` may stay queued on the device."""
+    return int(config.get("hccl_exec_timeout", HCCL_DEFAULT_EXEC_TIMEOUT_S))
 
 
 def tcp_uri(host: str, port: int) -> str:
@@ -40,26 +65,32 @@ def tcp_uri(host: str, port: int) -> str:
 
 
 def open_group(
-    device: Device, host: str, port: int, rank: int, world_size: int, timeout_s: float
-) -> tuple[ProcessGroup, Store]:
-    """Rendezvous at ``host:port`` (rank 0 hosts the store) and form the group; every step
-    gives up after ``timeout_s``. Returns the group and its store (keys under the group's
-    prefix)."""
+    device: Device,
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    within_s: float,
+) -> tuple[ProcessGroup, Store, dict[str, int | str]]:
+    """Rendezvous at ``host:port`` (rank 0 hosts the store) within ``within_s`` and form the
+    group, whose collectives and store calls are bounded by ``timeout_s``. Returns the group,
+    its store (keys under the group's prefix) and its :func:`hccl_config`."""
     from torch.distributed import PrefixStore, ProcessGroup
     from torch.distributed.rendezvous import rendezvous
 
-    timeout = timedelta(seconds=timeout_s)
     uri = tcp_uri(host, port)
-    store, rank, world_size = next(rendezvous(uri, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    prefix = PrefixStore(group_prefix(host, port), store)
+    rendezvous_timeout = timedelta(seconds=within_s)
+    store, rank, world_size = next(rendezvous(uri, rank, world_size, timeout=rendezvous_timeout))
+    store.set_timeout(timedelta(seconds=timeout_s))
     group_id = group_prefix(host, port)
+    prefix = PrefixStore(group_id, store)
     pg = ProcessGroup(prefix, rank, world_size)
     backend = device.group_backend(prefix, rank, world_size, timeout_s, group_id)
     pg._set_default_backend(backend.default_type)
     backend.impl._set_sequence_number_for_group()
     pg._register_backend(backend.torch_device, backend.register_type, backend.impl)
-    return pg, prefix
+    return pg, prefix, hccl_config(timeout_s, group_id)
 
 
 def group_prefix(host: str, port: int) -> str:

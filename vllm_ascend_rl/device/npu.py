@@ -5,8 +5,8 @@ code through :mod:`vllm_ascend_rl.device.cpu`."""
 from __future__ import annotations
 
 import base64
+import json
 import os
-import re
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -23,39 +23,47 @@ from vllm_ascend_rl.device.base import (
     host_identity,
     ipc_buffer_id,
 )
-from vllm_ascend_rl.device.group import exec_timeout_s
+from vllm_ascend_rl.device.group import hccl_config
 
 # torch_npu 2.10.0.post4 ProcessGroupHCCL.hpp: enum class WatchdogStatus {INIT, RUN, STOP}.
 _WATCHDOG_STOP = 2
-# vllm-ascend's default HCCL buffer for its own groups (_DEFAULT_BUFFER_SIZE, utils.py:70).
-HCCL_BUFFER_MB = 200
 
 
-def nz_weight_mode() -> int:
-    """vllm-ascend's FRACTAL_NZ weight mode in this process (default 1): ``main`` (182b75e)
-    keeps it in ``get_ascend_config().weight_nz_mode`` (``ascend_config.py:238-245``;
-    ``rl_config.enabled`` forces 0, ``:579-600``); releases up to v0.26 read only
-    ``VLLM_ASCEND_ENABLE_NZ`` (``envs.py``)."""
+# The additional config an RL engine starts with: NZ off, and nothing vllm-ascend's frontend
+# rewrites PYTORCH_NPU_ALLOC_CONF for (``rl_config`` would; docs/ascend-conformance.md §6).
+RL_ADDITIONAL_CONFIG = {"weight_nz_mode": 0}
+
+
+def nz_weight_mode(additional_config: dict | None = None) -> int:
+    """vllm-ascend's FRACTAL_NZ weight mode (default 1): in a vLLM process, its config's
+    (``get_ascend_config().weight_nz_mode``, ``ascend_config.py:238-245`` at 182b75e); elsewhere
+    what an engine started with ``additional_config`` gets: ``rl_config.enabled`` forces 0
+    (``:582-587``), else ``weight_nz_mode`` wins over ``VLLM_ASCEND_ENABLE_NZ``
+    (``:361-372``; releases up to v0.26 read only the variable)."""
     try:
         from vllm_ascend.ascend_config import get_ascend_config
 
         return int(get_ascend_config().weight_nz_mode)
     except (ImportError, AttributeError, RuntimeError):
-        return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
+        pass
+    config = additional_config or {}
+    if (config.get("rl_config") or {}).get("enabled"):
+        return 0
+    if "weight_nz_mode" in config:
+        return int(config["weight_nz_mode"])
+    return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
 
 
-def nz_format_refusal() -> str | None:
+def nz_format_refusal(additional_config: dict | None = None) -> str | None:
     """Why vllm-ascend's ``NPUWorker`` will refuse ``start_weight_update`` and ``wake_up`` (NZ
     on: ``_check_nz_disabled``, ``worker.py:247-255, 288-310``), to say at engine start."""
-    mode = nz_weight_mode()
+    mode = nz_weight_mode(additional_config)
     if not mode:
         return None
     return (
         f"vllm-ascend's FRACTAL_NZ weight format is on (weight_nz_mode={mode}), and "
         "vllm-ascend refuses every weight update and wake_up while it is. Start the server "
-        """with --additional-config '{"rl_config": {"enabled": true}}' (which also turns off """
-        "expandable segments and sets VLLM_SERVER_DEV_MODE=1), or with "
-        """--additional-config '{"weight_nz_mode": 0}', or with VLLM_ASCEND_ENABLE_NZ=0."""
+        f"with --additional-config '{json.dumps(RL_ADDITIONAL_CONFIG)}'."
     )
 
 
@@ -125,13 +133,16 @@ class NpuDevice(Device):
         self, store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
-        group (``netloader_pg.py:113-130`` at vllm-ascend@182b75e). Its watchdog is STOPped:
-        with the default ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed collective "to take
-        the entire process down" (``ProcessGroupHCCL.cpp:1024-1041``, torch_npu 2.10.0.post4),
-        killing the engine when a trainer dies. STOP (``set_watchdog_status``, per group,
-        ``:3710-3717``) keeps our works out of it (``workEnqueue`` returns early, ``:3517-3519``;
-        the loop skips the group, ``:2216-2218``); :class:`BroadcastChannel` polls
-        ``is_completed`` against ``timeout_s`` and aborts the communicator itself."""
+        group (``netloader_pg.py:122-130`` at vllm-ascend@182b75e), plus the communicator
+        settings of :func:`~vllm_ascend_rl.device.group.hccl_config` (exec timeout, buffer,
+        name), which the netloader does not set. Its watchdog is
+        STOPped: with the default ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed
+        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1024-1041``,
+        torch_npu 2.10.0.post4), killing the engine when a trainer dies. STOP
+        (``set_watchdog_status``, per group, ``:3710-3717``) keeps our works out of it
+        (``workEnqueue`` returns early, ``:3517-3519``; the loop skips the group,
+        ``:2216-2218``); :class:`BroadcastChannel` polls ``is_completed`` against ``timeout_s``
+        and aborts the communicator itself."""
         from torch.distributed import ProcessGroup
         from torch.distributed.distributed_c10d import Backend
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
@@ -140,18 +151,8 @@ class NpuDevice(Device):
         options.is_high_priority_stream = False
         options._timeout = timedelta(seconds=timeout_s)
         options.global_ranks_in_group = []  # a group of its own, not a subgroup of the world
-        options.group_id = group_id  # as netloader: the rendezvous, the same on every rank
-        # Buffer in MB, bounded as vllm-ascend bounds its groups' (vllm_ascend/utils.py:960-991).
-        # "group_name": the rendezvous in plain characters, for HCCL's logs (hcclUdi,
-        # ProcessGroupHCCL.cpp:3935-3948). The exec timeout (int seconds, :3998-4013) bounds how
-        # long a collective hung on a dead peer holds the HCCL stream, and with it every
-        # device-wide synchronize, empty_cache and the exit sync (else 1836 s, :77).
-        comm_name = re.sub(r"[^A-Za-z0-9_]+", "_", group_id).strip("_")
-        options.hccl_config = {
-            "hccl_buffer_size": HCCL_BUFFER_MB,
-            "group_name": comm_name,
-            "hccl_exec_timeout": exec_timeout_s(timeout_s),
-        }
+        options.group_id = group_id  # the rendezvous, the same on every rank, as netloader's
+        options.hccl_config = hccl_config(timeout_s, group_id)
         hccl = ProcessGroupHCCL(store, rank, world_size, options)
         hccl.set_watchdog_status(_WATCHDOG_STOP)
         return GroupBackend(
@@ -168,7 +169,9 @@ class NpuDevice(Device):
         if not broken:
             pg.shutdown()
             return
-        backend = pg._get_backend(torch.device("npu"))
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        backend: ProcessGroupHCCL = pg._get_backend(torch.device("npu"))
         backend.abort_hccl_comm("vllm_ascend_rl: weight-transfer channel broken")
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
@@ -189,38 +192,8 @@ class NpuDevice(Device):
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device())
         _, args = reduce_tensor(tensor)
-        # The rebuild arguments of an NPU storage, as explicit JSON fields (never pickled).
-        (
-            _cls,
-            _size,
-            _stride,
-            _offset,
-            _storage_cls,
-            _dtype,
-            _device,
-            storage_handle,
-            storage_size,
-            storage_offset,
-            _grad,
-            ref_handle,
-            ref_offset,
-            event_handle,
-            event_sync,
-        ) = args
-        handle = {
-            "kind": "npu_ipc",
-            "id": ipc_buffer_id(storage_handle, int(storage_offset)),
-            "nbytes": nbytes,
-            "location": self.location(),
-            "storage_handle": _b64(storage_handle),
-            "storage_size_bytes": int(storage_size),
-            "storage_offset_bytes": int(storage_offset),
-            "ref_counter_handle": _b64(ref_handle),
-            "ref_counter_offset": int(ref_offset),
-            "event_handle": _b64(event_handle),
-            "event_sync_required": bool(event_sync),
-        }
         holder = [tensor]
+        handle = ipc_handle(args, nbytes, self.location())
         return ExportedBuffer(tensor, handle, unlink=lambda: None, release=holder.clear)
 
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
@@ -230,26 +203,7 @@ class NpuDevice(Device):
             raise IpcHandleError(f"not an NPU IPC handle: {handle!r}")
         check_same_location(handle.get("location"), self.location())
         try:
-            nbytes = int(handle["nbytes"])
-            tensor = rebuild_npu_tensor(
-                torch.Tensor,
-                (nbytes,),
-                (1,),
-                0,
-                # As the producer sends (reductions.py:98-150, torch_npu 2.10.0.post4); only the
-                # TypedStorage wrapper absorbs a cache hit's device= (utils/storage.py:85-90).
-                torch.TypedStorage,
-                torch.uint8,
-                self.index,  # the receiver's own device, never the ambient one
-                _unb64(handle["storage_handle"], "storage_handle"),
-                int(handle["storage_size_bytes"]),
-                int(handle["storage_offset_bytes"]),
-                False,
-                _unb64(handle["ref_counter_handle"], "ref_counter_handle"),
-                int(handle["ref_counter_offset"]),
-                _unb64(handle.get("event_handle"), "event_handle"),
-                bool(handle["event_sync_required"]),
-            )
+            tensor = rebuild_npu_tensor(*rebuild_args(handle, self.index))
         except IpcHandleError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -258,6 +212,74 @@ class NpuDevice(Device):
             raise IpcHandleError(f"cannot open NPU IPC handle {handle.get('id')}: {e}") from e
         holder = [tensor]
         return ImportedBuffer(tensor, holder.clear)
+
+
+# The arguments torch_npu's reduce_tensor hands rebuild_npu_tensor for an NPU storage, named
+# and ordered as rebuild_npu_tensor's parameters (reductions.py:30-46, 130-149, 2.10.0.post4).
+REBUILD_ARGS = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+
+
+def ipc_handle(args: tuple, nbytes: int, location: dict[str, str]) -> dict[str, Any]:
+    """The JSON handle (never pickled) of an exported uint8 buffer of ``nbytes``, from its
+    rebuild arguments. Its id is the storage's IPC handle *and* the storage offset: the handle
+    names the caching allocator's segment, so ring slots carved from one share it (N2)."""
+    a = dict(zip(REBUILD_ARGS, args, strict=True))
+    return {
+        "kind": "npu_ipc",
+        "id": ipc_buffer_id(a["storage_handle"], int(a["storage_offset_bytes"])),
+        "nbytes": nbytes,
+        "location": location,
+        "storage_handle": _b64(a["storage_handle"]),
+        "storage_size_bytes": int(a["storage_size_bytes"]),
+        "storage_offset_bytes": int(a["storage_offset_bytes"]),
+        "ref_counter_handle": _b64(a["ref_counter_handle"]),
+        "ref_counter_offset": int(a["ref_counter_offset"]),
+        "event_handle": _b64(a["event_handle"]),
+        "event_sync_required": bool(a["event_sync_required"]),
+    }
+
+
+def rebuild_args(handle: dict[str, Any], device_index: int) -> tuple:
+    """``rebuild_npu_tensor``'s arguments for ``handle``, mapped on ``device_index`` (the
+    receiver's own device, never the ambient one); KeyError, TypeError or ValueError (or
+    IpcHandleError for bad base64) if malformed."""
+    nbytes = int(handle["nbytes"])
+    a = {
+        "tensor_cls": torch.Tensor,
+        "tensor_size": (nbytes,),
+        "tensor_stride": (1,),
+        "tensor_offset": 0,
+        # As the producer sends; only the TypedStorage wrapper absorbs a cache hit's device=
+        # (torch_npu/utils/storage.py:85-90).
+        "storage_cls": torch.TypedStorage,
+        "dtype": torch.uint8,
+        "storage_device": device_index,
+        "storage_handle": _unb64(handle["storage_handle"], "storage_handle"),
+        "storage_size_bytes": int(handle["storage_size_bytes"]),
+        "storage_offset_bytes": int(handle["storage_offset_bytes"]),
+        "requires_grad": False,
+        "ref_counter_handle": _unb64(handle["ref_counter_handle"], "ref_counter_handle"),
+        "ref_counter_offset": int(handle["ref_counter_offset"]),
+        "event_handle": _unb64(handle.get("event_handle"), "event_handle"),
+        "event_sync_required": bool(handle["event_sync_required"]),
+    }
+    return tuple(a[name] for name in REBUILD_ARGS)
 
 
 # ACL memcpy kinds (aclrtMemcpyKind): host-to-device 1, device-to-host 2.
@@ -297,14 +319,15 @@ def pluggable_pool(allocator):
         _PLUGGABLE.append(
             torch.npu.memory.NPUPluggableAllocator(vmm.LIBRARY, vmm.NPU_MALLOC, vmm.NPU_FREE)
         )
-    pool = torch.npu.memory.MemPool(_PLUGGABLE[0]._allocator)
+    pluggable: torch.npu.memory.NPUPluggableAllocator = _PLUGGABLE[0]
+    pool = torch.npu.memory.MemPool(pluggable._allocator)
     _POOLS.append(pool)
     with torch.npu.memory.use_mem_pool(pool, device=allocator.device_index):
         yield
     _trim(pool, allocator)
 
 
-def _trim(pool, allocator) -> None:
+def _trim(pool: torch.npu.memory.MemPool, allocator) -> None:
     """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
     torch_npu/csrc/npu/Module.cpp:1478-1533 in 2.10.0.post4)."""
     torch.npu.synchronize(allocator.device_index)

@@ -15,7 +15,7 @@ import torch
 from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
 
 from vllm_ascend_rl.device import Device
-from vllm_ascend_rl.device.group import exec_timeout_s, open_group
+from vllm_ascend_rl.device.group import exec_timeout_of, open_group
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -56,9 +56,13 @@ class ChannelError(RuntimeError):
 class BroadcastChannel:
     """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
 
-    def __init__(self, pg, store, device: Device, rank: int, world_size: int, timeout_s: float):
+    def __init__(
+        self, pg, store, device: Device, rank: int, world_size: int, timeout_s: float, config
+    ):
         self.pg, self.store, self.device = pg, store, device
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        # How long a failed collective stays queued on the device (its HCCL exec timeout).
+        self.exec_timeout_s = exec_timeout_of(config)
         self.address: tuple[str, int] = ("", 0)
         self.broken: str | None = None
         self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
@@ -78,7 +82,9 @@ class BroadcastChannel:
         collective after that is bounded by ``timeout_s``."""
         within_s = timeout_s if within_s is None else within_s
         try:
-            pg, store = open_group(device, host, port, rank, world_size, within_s)
+            pg, store, config = open_group(
+                device, host, port, rank, world_size, timeout_s, within_s
+            )
         except Exception as e:
             raise ChannelError(
                 f"rendezvous at {host}:{port} as rank {rank} of {world_size} failed within "
@@ -86,7 +92,7 @@ class BroadcastChannel:
                 "master_port and that world_size counts the trainer plus every engine "
                 "worker."
             ) from e
-        channel = cls(pg, store, device, rank, world_size, timeout_s)
+        channel = cls(pg, store, device, rank, world_size, timeout_s, config)
         channel.address = (host, port)
         return channel
 
@@ -99,7 +105,7 @@ class BroadcastChannel:
 
     def _issued(self, work):
         self._started[id(work)] = time.monotonic()
-        self.device.collective_issued(work, exec_timeout_s(self.timeout_s))
+        self.device.collective_issued(work, self.exec_timeout_s)
         return work
 
     def wait(

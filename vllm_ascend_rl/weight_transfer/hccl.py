@@ -19,7 +19,6 @@ from vllm.distributed.weight_transfer.base import (
 from vllm_ascend_rl._registration import HCCL_BACKEND
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import worker_index
-from vllm_ascend_rl.device.group import exec_timeout_s
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
@@ -206,6 +205,6 @@ class AscendRLHCCLWeightTransferEngine(
         if channel is None:
             return
         if channel.broken:  # a collective may stay queued on the device
-            deadline = time.monotonic() + exec_timeout_s(channel.timeout_s)
+            deadline = time.monotonic() + channel.exec_timeout_s
             self.session.device_busy_until = max(self.session.device_busy_until, deadline)
         channel.close()
