@@ -35,7 +35,7 @@ def test_nz_on_is_refused_with_the_setting_to_change(monkeypatch, mode):
     assert nz_weight_mode() == mode
     reason = nz_format_refusal()
     assert f"weight_nz_mode={mode}" in reason
-    assert '{"rl_config": {"enabled": true}}' in reason and "VLLM_ASCEND_ENABLE_NZ=0" in reason
+    assert """--additional-config '{"weight_nz_mode": 0}'""" in reason
 
 
 def test_nz_off_is_accepted(monkeypatch):
@@ -50,6 +50,30 @@ def test_releases_without_weight_nz_mode_read_the_environment(monkeypatch):
     assert nz_weight_mode() == 1  # vllm-ascend's default
     monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
     assert nz_format_refusal() is None
+
+
+@pytest.mark.parametrize(
+    "additional_config, env, mode",
+    [
+        (None, None, 1),  # vllm-ascend's default
+        (None, "0", 0),
+        ({"weight_nz_mode": 0}, None, 0),
+        ({"weight_nz_mode": 2}, "0", 2),  # the additional config wins over the variable
+        ({"rl_config": {"enabled": True}, "weight_nz_mode": 2}, None, 0),  # rl_config forces 0
+    ],
+)
+def test_outside_an_engine_the_mode_is_what_its_start_flags_give(
+    monkeypatch, additional_config, env, mode
+):
+    """The doctor's view of a server it has not started (vllm-ascend's resolution order,
+    ascend_config.py:361-372, 582-587 at 182b75e); vllm-ascend is absent here."""
+    monkeypatch.delitem(sys.modules, "vllm_ascend.ascend_config", raising=False)
+    if env is None:
+        monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", env)
+    assert nz_weight_mode(additional_config) == mode
+    assert (nz_format_refusal(additional_config) is None) == (mode == 0)
 
 
 def _vllm_config():

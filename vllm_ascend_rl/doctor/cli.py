@@ -11,8 +11,13 @@ from dataclasses import asdict
 from vllm_ascend_rl.doctor import Check, engines, local
 
 
-def run(urls: list[str], timeout_s: float, http_timeout_s: float = 60.0) -> list[Check]:
-    return [*local.checks(timeout_s), *engines.checks(urls, http_timeout_s)]
+def run(
+    urls: list[str],
+    timeout_s: float,
+    additional_config: dict | None = None,
+    http_timeout_s: float = 60.0,
+) -> list[Check]:
+    return [*local.checks(timeout_s, additional_config), *engines.checks(urls, http_timeout_s)]
 
 
 def render(checks: list[Check]) -> str:
@@ -47,10 +52,18 @@ def main(argv: list[str] | None = None) -> int:
         default=120.0,
         help="the timeout_s your weight-transfer init passes (default: the plugin's, 120)",
     )
+    ap.add_argument(
+        "--additional-config",
+        type=json.loads,
+        default=None,
+        metavar="JSON",
+        help="the --additional-config your servers start with (on NPU the NZ and "
+        "PYTORCH_NPU_ALLOC_CONF checks judge what vllm-ascend makes of it)",
+    )
     ap.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = ap.parse_args(argv)
     with contextlib.redirect_stdout(sys.stderr):  # vLLM 0.27.1 logs to stdout
-        checks = run(args.engine, args.timeout_s)
+        checks = run(args.engine, args.timeout_s, args.additional_config)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:

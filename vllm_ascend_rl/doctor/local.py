@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import re
 import sys
 from importlib import metadata
 
+from vllm_ascend_rl.device.group import HCCL_DEFAULT_EXEC_TIMEOUT_S
 from vllm_ascend_rl.doctor import Check, fail, ok, skipped, warn
 
 STACK, REG, ENV = "stack", "registration", "environment"
@@ -19,11 +22,12 @@ ASCEND_MIN_COMMIT = "9eabafb0c8"  # vllm-ascend's start/update/finish worker lif
 HCCL_CONNECT_DEFAULT_S = 120  # CANN's documented default for HCCL_CONNECT_TIMEOUT
 
 
-def checks(timeout_s: float) -> list[Check]:
+def checks(timeout_s: float, additional_config: dict | None = None) -> list[Check]:
+    """``additional_config``: the ``--additional-config`` the servers start with."""
     from vllm_ascend_rl.device import device_kind
 
     npu = device_kind() == "npu"
-    return [*stack(npu), *registration(), *environment(npu, timeout_s)]
+    return [*stack(npu), *registration(), *environment(npu, timeout_s, additional_config)]
 
 
 def _version(dist: str) -> str | None:
@@ -33,10 +37,11 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _v(text: str):
-    from packaging.version import Version
-
-    return Version(text.split("+")[0])
+def _release(text: str) -> tuple[int, ...] | None:
+    """The leading numbers of a version (``8.3.RC1.alpha002`` -> (8, 3); ``0.32.0+cpu`` ->
+    (0, 32, 0)), or None if it starts with none: CANN's are not PEP 440 versions."""
+    numbers = re.match(r"\d+(?:\.\d+)*", text.strip())
+    return tuple(int(n) for n in numbers.group().split(".")) if numbers else None
 
 
 # -- stack ---------------------------------------------------------------------------------------
@@ -70,7 +75,7 @@ def _vllm() -> Check:
         importlib.import_module("vllm.device_allocator.sleep_mode_backend")
     except ImportError as e:
         return fail(STACK, "vllm", f"{found}, without the weight-transfer or sleep API ({e})", fix)
-    if not _v(low) <= _v(found) <= _v(high):
+    if not _release(low) <= (_release(found) or ()) <= _release(high):
         return warn(STACK, "vllm", f"{found}, outside the tested {low}..{high}", fix)
     return ok(STACK, "vllm", found)
 
@@ -104,14 +109,20 @@ def _torch_npu() -> Check:
 def _cann_and_chips() -> Check:
     from vllm_ascend_rl.device.npu import chips_and_cann
 
-    chips, cann = chips_and_cann()
+    name, tested = "CANN and chips", f"the plugin was written for CANN {CANN_TESTED}"
+    try:
+        chips, cann = chips_and_cann()
+    except Exception as e:  # torch_npu or CANN broken: say so, never a traceback
+        return fail(STACK, name, f"{type(e).__name__}: {e}", "check torch_npu and CANN")
     found = f"CANN {cann}, {chips} NPU(s) visible"
     if chips < 1:
-        return fail(STACK, "CANN and chips", found, "check ASCEND_RT_VISIBLE_DEVICES and npu-smi")
-    if _v(cann) < _v(CANN_TESTED):
-        fix = f"the plugin was written for CANN {CANN_TESTED}"
-        return warn(STACK, "CANN and chips", found, fix)
-    return ok(STACK, "CANN and chips", found)
+        return fail(STACK, name, found, "check ASCEND_RT_VISIBLE_DEVICES and npu-smi")
+    release = _release(cann)
+    if release is None:
+        return warn(STACK, name, f"{found}: the version is not understood", tested)
+    if release < _release(CANN_TESTED):
+        return warn(STACK, name, found, tested)
+    return ok(STACK, name, found)
 
 
 def _acl_backend() -> Check:
@@ -181,41 +192,86 @@ def _factory_entry(module: str, factory: str, name: str, ours: str) -> Check:
 
 
 # -- environment ---------------------------------------------------------------------------------
-def environment(npu: bool, timeout_s: float) -> list[Check]:
+def environment(npu: bool, timeout_s: float, additional_config: dict | None = None) -> list[Check]:
     return [
-        _nz() if npu else skipped(ENV, "NZ weight format"),
-        _alloc_conf(npu),
+        _nz(additional_config) if npu else skipped(ENV, "NZ weight format"),
+        _alloc_conf(npu, additional_config),
         _rank_table(),
         _hccl_connect(timeout_s),
-        _hccl_exec(timeout_s),
+        _hccl_exec(),
         _dev_mode(),
     ]
 
 
-def _nz() -> Check:
+def _nz(additional_config: dict | None) -> Check:
     from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 
-    refusal = nz_format_refusal()
+    refusal = nz_format_refusal(additional_config)
     if refusal:
-        return fail(ENV, "NZ weight format", f"weight_nz_mode={nz_weight_mode()}", refusal)
+        mode = nz_weight_mode(additional_config)
+        return fail(ENV, "NZ weight format", f"weight_nz_mode={mode}", refusal)
     return ok(ENV, "NZ weight format", "off")
 
 
-def _alloc_conf(npu: bool) -> Check:
+def engine_core_alloc_conf(frontend: str | None, additional_config: dict | None) -> str | None:
+    """The ``PYTORCH_NPU_ALLOC_CONF`` vllm-ascend's frontend hands the engine core, whose
+    torch_npu reads it once, when its caching allocator starts (vllm-ascend@182b75e, without
+    ``--enable-sleep-mode``): with ``rl_config`` enabled it drops every ``expandable_segments``
+    entry (``platform.py:374`` -> ``ascend_config.py:590-592`` -> ``platform.py:1230-1244``);
+    then, unless the value names ``expandable_segments``, ``max_split_size_mb`` or
+    ``garbage_collection_threshold``, it appends ``expandable_segments:True``, an unset value
+    becoming just that (``platform.py:395`` -> ``:1208-1227``). ``NPUWorker.__init__`` strips
+    it again under ``rl_config`` (``worker.py:129``), late: whatever starts torch_npu's
+    allocator before that sees ``True``."""
+    rl_config = (additional_config or {}).get("rl_config") or {}
+    conf = frontend
+    if rl_config.get("enabled") and conf:
+        conf = ",".join(
+            e
+            for e in (p.strip() for p in conf.split(","))
+            if e and not e.startswith("expandable_segments:")
+        )
+    if conf is None:
+        return "expandable_segments:True"
+    if not any(k in conf for k in ("expandable_segments", "max_split_size_mb", "garbage_coll")):
+        conf += ",expandable_segments:True"
+    return conf
+
+
+def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
+    """The sleep pools need torch_npu's expandable segments off in the engine core; on NPU
+    that is the value vllm-ascend's frontend hands it (:func:`engine_core_alloc_conf`)."""
+    from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
+
+    name, frontend = "PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF")
+    if not npu:  # nothing rewrites it
+        refusal = _alloc_conf_refusal(frontend)
+        found = repr(frontend)
+        return fail(ENV, name, found, refusal) if refusal else ok(ENV, name, found)
+    conf = engine_core_alloc_conf(frontend, additional_config)
+    found = f"{frontend!r}; the engine core gets {conf!r}"
+    route = (
+        "start servers with PYTORCH_NPU_ALLOC_CONF=expandable_segments:False and "
+        f"--additional-config '{json.dumps(RL_ADDITIONAL_CONFIG)}', not rl_config: vllm-ascend "
+        "then leaves the setting as it is"
+    )
+    refusal = _alloc_conf_refusal(frontend) or _alloc_conf_refusal(conf)
+    rl_config = (additional_config or {}).get("rl_config") or {}
+    if refusal and rl_config.get("enabled") and not _alloc_conf_refusal(frontend):
+        return warn(ENV, name, f"{found} until NPUWorker.__init__ strips it", route)
+    if refusal:
+        return fail(ENV, name, found, f"{refusal} {route}")
+    return ok(ENV, name, found)
+
+
+def _alloc_conf_refusal(conf: str | None) -> str | None:
     from vllm_ascend_rl.sleep.allocator import SleepError, check_npu_alloc_conf
 
-    conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF")
     try:
-        check_npu_alloc_conf()
+        check_npu_alloc_conf(conf or "")
     except SleepError as e:
-        return fail(ENV, "PYTORCH_NPU_ALLOC_CONF", repr(conf), str(e))
-    if conf is None and npu:
-        fix = (
-            "set PYTORCH_NPU_ALLOC_CONF=expandable_segments:False for sleep mode: vllm-ascend "
-            "turns expandable segments on unless told otherwise"
-        )
-        return warn(ENV, "PYTORCH_NPU_ALLOC_CONF", "unset", fix)
-    return ok(ENV, "PYTORCH_NPU_ALLOC_CONF", repr(conf))
+        return str(e)
+    return None
 
 
 def _rank_table() -> Check:
@@ -250,19 +306,18 @@ def _hccl_connect(timeout_s: float) -> Check:
     return ok(ENV, name, f"{value:g} s <= timeout_s {timeout_s:g}")
 
 
-def _hccl_exec(timeout_s: float) -> Check:
-    """The plugin's group sets its own exec timeout (``hccl_exec_timeout``, unverified that
-    HCCL honours it); a longer ``HCCL_EXEC_TIMEOUT`` would hold a hung collective longer."""
+def _hccl_exec() -> Check:
+    """``HCCL_EXEC_TIMEOUT`` governs vllm-ascend's own TP/EP/PP groups (its tutorials set
+    200-600 s); the plugin's group sets its own, ``hccl_exec_timeout`` = ``timeout_s``
+    (``device/group.py``), so any whole number of seconds suits the plugin."""
     name, value = "HCCL_EXEC_TIMEOUT", _seconds("HCCL_EXEC_TIMEOUT")
-    fix = (
-        f"set {name} to at most timeout_s ({timeout_s:g}) and above 0: a collective hung on a "
-        "dead peer holds every device-wide wait until it expires"
-    )
+    ours = "the plugin's weight group sets its own (timeout_s)"
     if value is None:
-        return ok(ENV, name, "unset (the plugin's group sets its own exec timeout)")
-    if not 0 < value <= timeout_s:
-        return fail(ENV, name, f"{os.environ[name]} s, timeout_s {timeout_s:g}", fix)
-    return ok(ENV, name, f"{value:g} s <= timeout_s {timeout_s:g}")
+        return ok(ENV, name, f"unset (HCCL's default {HCCL_DEFAULT_EXEC_TIMEOUT_S} s); {ours}")
+    if not (value >= 0 and value == int(value)):
+        fix = f"set {name} to a whole number of seconds, or unset it"
+        return fail(ENV, name, f"{os.environ[name]!r} is not a whole number of seconds", fix)
+    return ok(ENV, name, f"{value:g} s for vllm-ascend's own groups; {ours}")
 
 
 def _dev_mode() -> Check:

@@ -14,10 +14,12 @@ _cls: type | None = None
 
 NOT_POOLED = (
     "the weights were loaded outside the sleep allocator's pool: torch_npu's allocator is "
-    "running with expandable segments (vllm-ascend rewrites PYTORCH_NPU_ALLOC_CONF to "
-    "',expandable_segments:True' unless told otherwise), so /sleep could not free them. "
-    "Start the server with PYTORCH_NPU_ALLOC_CONF=expandable_segments:False and "
-    '--additional-config \'{"rl_config": {"enabled": true}}\'.'
+    "running with expandable segments (vllm-ascend's frontend appends "
+    "'expandable_segments:True' to PYTORCH_NPU_ALLOC_CONF unless the value names them, and "
+    "with rl_config strips it again only in NPUWorker.__init__), so /sleep could not free "
+    "them. Start the server with PYTORCH_NPU_ALLOC_CONF=expandable_segments:False and "
+    "--additional-config '{\"weight_nz_mode\": 0}' instead of rl_config; "
+    "python -m vllm_ascend_rl.doctor --additional-config '...' shows what the engine gets."
 )
 
 
