@@ -51,10 +51,16 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model-v2", help="checkpoint the trainer holds (default: tiny, CPU)")
     ap.add_argument("--max-tokens", type=int, default=120)
     ap.add_argument("--min-tokens", type=int, default=8, help="per request, before the pause")
+    ap.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="of each engine's NPU (vLLM's default; lower to share chips with other servers)",
+    )
     return ap.parse_args()
 
 
-def engine_kwargs(model: str, device: str, weight_transfer: bool = True) -> dict:
+def engine_kwargs(model: str, device: str, memory: float, weight_transfer: bool = True) -> dict:
     """vLLM engine arguments (``AsyncEngineArgs``) for an RL engine."""
     from vllm.config import WeightTransferConfig
 
@@ -68,7 +74,8 @@ def engine_kwargs(model: str, device: str, weight_transfer: bool = True) -> dict
     if device == "cpu":
         kwargs["gpu_memory_utilization"] = 0.1  # the KV cache is VLLM_CPU_KVCACHE_SPACE
     else:
-        kwargs["additional_config"] = {"rl_config": {"enabled": True}}  # NZ off (README)
+        kwargs["gpu_memory_utilization"] = memory
+        kwargs["additional_config"] = {"weight_nz_mode": 0}  # NZ off (README)
     if weight_transfer:
         kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ascend_rl_hccl")
     return kwargs
@@ -241,7 +248,8 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
 
     device = "cpu" if args.device == "cpu" else "npu"
     trainer = Trainer.options(**in_bundle(0)).remote(v2, device)
-    engines = [Engine.options(**in_bundle(i)).remote(engine_kwargs(v1, device)) for i in (1, 2)]
+    kwargs = engine_kwargs(v1, device, args.gpu_memory_utilization)
+    engines = [Engine.options(**in_bundle(i)).remote(kwargs) for i in (1, 2)]
     ray.get(trainer.connect.remote(engines, workers_per_engine=1))
     print("trainer connected to both engines (one HCCL group each, world size 2)")
 
@@ -264,7 +272,8 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
     ray.kill(trainer)
 
     # -- 3. validate against a fresh engine on v2 ---------------------------------------------
-    reference = Engine.options(**in_bundle(1)).remote(engine_kwargs(v2, device, False))
+    kwargs = engine_kwargs(v2, device, args.gpu_memory_utilization, weight_transfer=False)
+    reference = Engine.options(**in_bundle(1)).remote(kwargs)
     checks = []
     for r in results:
         split = r["at_pause"]

@@ -43,6 +43,15 @@ def pytest_configure(config):
     os.environ["VLLM_ASCEND_RL_DEVICE"] = config.getoption("--device")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """How full the chips got (docs/deployment.md quotes it for the Ascend runner)."""
+    from examples.plumbing.profile import layout_report
+
+    report = layout_report()
+    if report:
+        terminalreporter.write_line(report)
+
+
 def pytest_collection_modifyitems(config, items):
     on_npu = config.getoption("--device") == "npu"
     need_npu = pytest.mark.skip(reason="needs Ascend NPUs: make test-npu on an Ascend host")

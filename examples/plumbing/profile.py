@@ -13,15 +13,21 @@ chip disturb each other's KV-cache sizing):
 - an HCCL trainer rank takes a chip of its own: the highest chip its engine does not use
   (HCCL needs one rank per device).
 
-On CPU the same pool hands out :data:`CPU_HOST_CHIPS` emulated chips
-(``vllm_ascend_rl.device.cpu_chip``): their memory is device-wide through a ledger of this
-process, and a CPU worker sizes its start-up from it as vllm-ascend does, so a layout that starts
-two servers on one chip together fails on CPU too.
+How many chips, and how much memory each has, is the Ascend CI runner's
+(``.github/ascend-runner.json``, which the workflow runs on): on NPU the pool holds that many
+chips when ``VLLM_ASCEND_RL_CHIPS`` says so (the workflow does), else every visible one; on CPU
+it hands out that many emulated chips (``vllm_ascend_rl.device.cpu_chip``) of that memory,
+device-wide through a ledger of this process, and a CPU worker sizes its start-up from it as
+vllm-ascend does. So a layout that does not fit the runner fails on CPU first: a server
+refused at start-up for want of free memory, or the pool's own check that the servers on a chip
+ask for at most all of it (:class:`ChipPool`). Every server asks :data:`MEMORY_FRACTION` of each
+of its chips; the pool records the most any chip held (``peak``), which the suite reports.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import shutil
@@ -29,13 +35,19 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import Any
 
 from vllm_ascend_rl.device import device_kind
-from vllm_ascend_rl.device.cpu_chip import LEDGER_ENV, VISIBLE_ENV
+from vllm_ascend_rl.device.cpu_chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_ENV
+from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
 
-CPU_HOST_CHIPS = 8  # the emulated host: an Atlas 800 A2's eight chips
-MEMORY_FRACTION = "0.4"  # --gpu-memory-utilization: two servers fit on a chip they must share
+RUNNER_FILE = Path(__file__).resolve().parents[2] / ".github" / "ascend-runner.json"
+# --gpu-memory-utilization of every test server: a chip of the two-chip runner holds two shared
+# servers, a module's and, on CPU, the next module's started early; 0.2 x 64 GiB leaves a
+# tiny model's KV cache gigabytes, and the rest of the chip to trainers.
+MEMORY_FRACTION = "0.2"
 CPU_CHIP_WORKER = "vllm_ascend_rl.worker.cpu_worker.ChipCPUWorker"
 CPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.cpu_worker.SleepableCPUWorker"
 NPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker"
@@ -62,7 +74,11 @@ class DeviceProfile:
     def chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """Environment that puts a process on ``chips`` (of the host's visible ones)."""
         if self.kind != "npu":
-            return {VISIBLE_ENV: ",".join(map(str, chips)), LEDGER_ENV: chip_pool().ledger}
+            return {
+                VISIBLE_ENV: ",".join(map(str, chips)),
+                LEDGER_ENV: chip_pool().ledger,
+                CHIP_BYTES_ENV: str(ascend_runner()["chip_memory_gib"] << 30),
+            }
         return {"ASCEND_RT_VISIBLE_DEVICES": ",".join(self.chip_name(c) for c in chips)}
 
     def server_chips_env(self, chips: Sequence[int]) -> dict[str, str]:
@@ -77,7 +93,7 @@ class DeviceProfile:
 
     def take_chips(self, server: Any, count: int) -> list[int]:
         """The chips ``server`` runs on until :meth:`give_back_chips`: its own from the pool."""
-        return chip_pool().take(server, count)
+        return chip_pool().take(server, count, float(self.memory_fraction))
 
     def give_back_chips(self, server: Any) -> None:
         chip_pool().give_back(server)
@@ -89,29 +105,42 @@ class DeviceProfile:
 
 class ChipPool:
     """The host's chips (NPU or emulated), handed out to the servers this process starts:
-    each takes the lowest chips nobody holds; when too few are free, the least shared ones."""
+    each takes the lowest chips nobody holds; when too few are free, the least shared ones.
+    A server asks ``fraction`` of each of its chips' memory; the servers on one chip may ask
+    for all of it at most (vllm-ascend refuses a start with less free than asked,
+    ``worker.py:424-436``)."""
 
     def __init__(self, count: int, ledger: str = "") -> None:
         self.count = count
         self.ledger = ledger  # CPU: the emulated chips' memory ledger of this session
-        self._held: dict[int, list[Any]] = {chip: [] for chip in range(count)}
+        self._held: dict[int, dict[Any, float]] = {chip: {} for chip in range(count)}
+        self.peak: dict[int, tuple[int, float]] = {}  # chip -> most (servers, memory) held
         self._lock = threading.Lock()
 
-    def take(self, owner: Any, count: int) -> list[int]:
+    def take(self, owner: Any, count: int, fraction: float = 0.0) -> list[int]:
         if count > self.count:
             raise RuntimeError(f"a server needs {count} chips; this host has {self.count}")
         with self._lock:
             by_load = sorted(self._held, key=lambda chip: (len(self._held[chip]), chip))
             chips = sorted(by_load[:count])
             for chip in chips:
-                self._held[chip].append(owner)
+                asked = sum(self._held[chip].values()) + fraction
+                if asked > 1.0 + 1e-9:
+                    raise RuntimeError(
+                        f"chip {chip} of {self.count} would hold {len(self._held[chip]) + 1} "
+                        f"servers asking {asked:.2f} of its memory: the suite's layout does "
+                        "not fit this host (docs/deployment.md, 'Ascend CI')"
+                    )
+            for chip in chips:
+                self._held[chip][owner] = fraction
+                held = (len(self._held[chip]), sum(self._held[chip].values()))
+                self.peak[chip] = max(self.peak.get(chip, (0, 0.0)), held)
             return chips
 
     def give_back(self, owner: Any) -> None:
         with self._lock:
             for holders in self._held.values():
-                if owner in holders:
-                    holders.remove(owner)
+                holders.pop(owner, None)
 
     def sharers(self, owner: Any) -> list[Any]:
         with self._lock:
@@ -126,19 +155,45 @@ _POOL: ChipPool | None = None
 _POOL_LOCK = threading.Lock()
 
 
+@cache
+def ascend_runner() -> dict[str, Any]:
+    """The Ascend CI runner: ``label``, ``chips``, ``chip_memory_gib``."""
+    return json.loads(RUNNER_FILE.read_text())
+
+
 def chip_pool() -> ChipPool:
-    """This process's pool of the host's chips: on NPU those ``ASCEND_RT_VISIBLE_DEVICES``
-    names, else every ``/dev/davinci<N>``; on CPU :data:`CPU_HOST_CHIPS` emulated ones."""
+    """This process's pool of the host's chips: on NPU ``VLLM_ASCEND_RL_CHIPS`` of those
+    ``ASCEND_RT_VISIBLE_DEVICES`` names (else every ``/dev/davinci<N>``), or all of them; on
+    CPU the runner's chips, emulated."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
             if device_kind() == "npu":
-                _POOL = ChipPool(_host_chip_count())
+                _POOL = ChipPool(_npu_chip_count())
             else:
                 ledger = tempfile.mkdtemp(prefix="vllm_ascend_rl_chip_ledger-")
                 atexit.register(shutil.rmtree, ledger, ignore_errors=True)
-                _POOL = ChipPool(CPU_HOST_CHIPS, ledger)
+                _POOL = ChipPool(ascend_runner()["chips"], ledger)
         return _POOL
+
+
+def layout_report() -> str | None:
+    """The most any chip held at once in this process, if it started servers."""
+    if _POOL is None or not _POOL.peak:
+        return None
+    held = ", ".join(
+        f"chip {chip}: {n} servers asking {asked:.2f} of its memory"
+        for chip, (n, asked) in sorted(_POOL.peak.items())
+    )
+    return f"chip layout on {_POOL.count} {device_kind()} chips, at most: {held}"
+
+
+def _npu_chip_count() -> int:
+    visible = _host_chip_count()
+    wanted = int(os.environ.get("VLLM_ASCEND_RL_CHIPS") or visible)
+    if wanted > visible:
+        raise RuntimeError(f"VLLM_ASCEND_RL_CHIPS={wanted}, but this host shows {visible} NPUs")
+    return wanted
 
 
 def _host_chip_count() -> int:
@@ -163,10 +218,11 @@ def current_profile() -> DeviceProfile:
             kind="npu",
             sleepable_worker=NPU_SLEEPABLE_WORKER,
             memory_fraction=MEMORY_FRACTION,
-            # The sleep pools need torch_npu's expandable segments off; rl_config turns
-            # vllm-ascend's FRACTAL_NZ off (it refuses weight updates and wake_up with NZ on).
+            # The README's engine: torch_npu's expandable segments off (the sleep pools need
+            # it) and vllm-ascend's FRACTAL_NZ off (it refuses weight updates and wake_up with
+            # NZ on), by flags vllm-ascend's frontend hands the engine core unchanged.
             server_env={"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:False"},
-            additional_config={"rl_config": {"enabled": True}},
+            additional_config=dict(RL_ADDITIONAL_CONFIG),
         )
     # On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE; the fraction sizes a worker's share of
     # its emulated chip, and every worker runs on one (stand-in d), as on NPU.

@@ -63,10 +63,12 @@ def test_cpu_servers_take_emulated_chips_that_share_one_memory_ledger(monkeypatc
     monkeypatch.setattr(profile, "_POOL", None)
     cpu = current_profile()
     a, b = object(), object()
-    assert cpu.take_chips(a, 2) == [0, 1] and cpu.take_chips(b, 1) == [2]
-    assert cpu.chip_sharers(b) == []
-    env = cpu.chips_env([2])
-    assert env["VLLM_ASCEND_RL_CPU_CHIPS"] == "2"
+    assert profile.chip_pool().count == profile.ascend_runner()["chips"] == 2  # the runner's
+    assert cpu.take_chips(a, 2) == [0, 1] and cpu.take_chips(b, 1) == [0]
+    assert cpu.chip_sharers(b) == [a]
+    env = cpu.chips_env([1])
+    assert env["VLLM_ASCEND_RL_CPU_CHIPS"] == "1"
+    assert env["VLLM_ASCEND_RL_CPU_CHIP_BYTES"] == str(64 << 30)  # the runner's chip memory
     assert (
         env["VLLM_ASCEND_RL_CPU_CHIP_LEDGER"]
         == cpu.chips_env([0, 1])["VLLM_ASCEND_RL_CPU_CHIP_LEDGER"]
@@ -97,3 +99,24 @@ def test_every_cpu_server_worker_runs_on_an_emulated_chip(monkeypatch, tmp_path)
     assert worker_cls(VLLMServer("m", log_path=log)).endswith(".ChipCPUWorker")
     sleepable = VLLMServer("m", log_path=log, extra_args=rl_engine_args(sleepable=True))
     assert worker_cls(sleepable).endswith(".SleepableCPUWorker")
+
+
+def test_the_suites_layout_fits_the_ascend_runner_and_the_old_one_did_not():
+    """The runner's two chips, every server asking MEMORY_FRACTION: the four shared servers,
+    then a module's server on each chip (tensor parallel) and, on CPU, the next module's
+    started early, fit; at 0.4 each the first module server was a third on its chip, asking
+    1.2 of it, which vllm-ascend refuses at start-up (R2)."""
+    from examples.plumbing.profile import MEMORY_FRACTION, ascend_runner
+
+    chips, fraction = ascend_runner()["chips"], float(MEMORY_FRACTION)
+    pool = ChipPool(chips)
+    for shared in range(4):
+        pool.take(("shared", shared), 1, fraction)
+    pool.take("module, tensor parallel", 2, fraction)
+    pool.take("next module, tensor parallel", 2, fraction)
+    assert pool.peak == {c: (4, pytest.approx(4 * fraction)) for c in range(chips)}
+    old = ChipPool(chips)
+    for shared in range(4):
+        old.take(("shared", shared), 1, 0.4)
+    with pytest.raises(RuntimeError, match=r"would hold 3 servers asking 1\.20 of its memory"):
+        old.take("module", 1, 0.4)

@@ -2,11 +2,12 @@
 
 - One chip per engine worker (:func:`claim_chip`); touching another chip's memory is an error.
 - ``VLLM_ASCEND_RL_CPU_CHIPS`` ("4,5") maps logical to host chips (``ASCEND_RT_VISIBLE_DEVICES``).
-- Device-wide memory (:data:`CHIP_BYTES`), shared by every process on a chip through a ledger
-  directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``; a dead process's file counts for nothing), as an
-  NPU's ``mem_get_info`` counts every process and vllm-ascend sizes the KV cache from it
-  (``vllm_ascend/worker/worker.py:424-436`` refuses a start with less free than
-  ``gpu_memory_utilization`` x total; ``:512-547`` gives the KV cache only what others left).
+- Device-wide memory (:data:`CHIP_BYTES`, or ``VLLM_ASCEND_RL_CPU_CHIP_BYTES``), shared by
+  every process on a chip through a ledger directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``; a
+  dead process's file counts for nothing), as an NPU's ``mem_get_info`` counts every process
+  and vllm-ascend sizes the KV cache from it (``vllm_ascend/worker/worker.py:424-436`` refuses
+  a start with less free than ``gpu_memory_utilization`` x total; ``:512-547`` gives the KV
+  cache only what others left).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-CHIP_BYTES = 64 << 30  # an Atlas A2 (910B) chip's HBM
+CHIP_BYTES = 64 << 30  # an Atlas A2 (910B) chip's HBM, unless CHIP_BYTES_ENV says otherwise
 VISIBLE_ENV = "VLLM_ASCEND_RL_CPU_CHIPS"
 LEDGER_ENV = "VLLM_ASCEND_RL_CPU_CHIP_LEDGER"
+CHIP_BYTES_ENV = "VLLM_ASCEND_RL_CPU_CHIP_BYTES"
 
 _CLAIMED: list[int] = []  # the logical chip this process's engine worker owns, once known
 
@@ -73,7 +75,8 @@ class ChipMemory:
                     used += int(entry.read_text() or 0)
                 except (OSError, ValueError):
                     pass  # being replaced: os.replace makes the next read whole
-        return max(0, CHIP_BYTES - used), CHIP_BYTES
+        total = int(os.environ.get(CHIP_BYTES_ENV) or CHIP_BYTES)
+        return max(0, total - used), total
 
     def record(self, nbytes: int, pid: int | None = None) -> None:
         """This process (or ``pid``) now uses ``nbytes`` of the chip."""
