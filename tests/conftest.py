@@ -37,6 +37,11 @@ def pytest_addoption(parser):
         default=os.environ.get("VLLM_ASCEND_RL_DEVICE", "cpu"),
         help="device the suites run on (exported as VLLM_ASCEND_RL_DEVICE)",
     )
+    parser.addoption(
+        "--no-prefetch",
+        action="store_true",
+        help="start each module's servers when it starts, as on NPU (to see NPU's chip layout)",
+    )
 
 
 def pytest_configure(config):
@@ -151,9 +156,8 @@ def server_plan(request, tmp_path_factory) -> ServerPlan:
     """Module servers, each started while the module before it runs (CPU hosts only: on NPU
     a server starting early would hold chips and device memory)."""
     order = request.config.stash.get(SERVER_ORDER, [])
-    plan = ServerPlan(
-        tmp_path_factory.mktemp("module-servers"), order, current_profile().kind == "cpu"
-    )
+    prefetch = current_profile().kind == "cpu" and not request.config.getoption("--no-prefetch")
+    plan = ServerPlan(tmp_path_factory.mktemp("module-servers"), order, prefetch)
     yield plan
     plan.close()
 

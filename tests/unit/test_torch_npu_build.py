@@ -1,10 +1,10 @@
 """Every torch_npu API the plugin uses, checked against the build vllm-ascend pins
 (``torch-npu==2.10.0.post4``, Ascend/pytorch ``v26.1.0-pytorch2.10.0``), read from its wheel
-without importing it (tests/support/torch_npu_build.py). The list of uses is derived from our
-sources, so a new call is checked the day it is written; Python APIs are checked by their
-signatures in the wheel's sources, the extension's by the names it binds. What cannot be checked
-from the wheel is named. Tensor methods torch generates for the device (``Tensor.npu``) and
-torch's own members are not torch_npu's and are not listed."""
+without importing it (tests/support/torch_npu_wheel.py). The list of uses is derived from our
+sources (tests/support/torch_npu_uses.py), so a new call is checked the day it is written;
+Python APIs are checked by their signatures in the wheel's sources, the extension's by the
+names it binds. What cannot be checked from the wheel is named. Tensor methods torch generates
+for the device (``Tensor.npu``) and torch's own members are not torch_npu's and not listed."""
 
 from __future__ import annotations
 
@@ -13,15 +13,8 @@ import math
 
 import pytest
 
-from tests.support.torch_npu_build import (
-    NOT_IN_WHEEL,
-    PATCHED,
-    ROOT,
-    Build,
-    check,
-    pinned_wheel,
-    uses,
-)
+from tests.support.torch_npu_uses import NOT_IN_WHEEL, PATCHED, check, uses
+from tests.support.torch_npu_wheel import ROOT, Build, pinned_wheel
 from vllm_ascend_rl.device import base, npu
 from vllm_ascend_rl.device.group import hccl_config
 
