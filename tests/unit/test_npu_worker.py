@@ -19,7 +19,7 @@ from vllm.utils.import_utils import resolve_obj_by_qualname
 
 import vllm_ascend_rl.device as device_mod
 from vllm_ascend_rl.device.cpu import CpuDevice
-from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator
+from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 
 
 class _MockRunner:  # MOCK of vllm-ascend's NPUModelRunner
@@ -165,6 +165,26 @@ def test_level_2_refuses_the_kv_cache_until_the_weights_are_reloaded(worker):
     worker.finish_weight_update()  # a weight transfer completed
     worker.wake_up(["kv_cache"])
     assert worker.allocator.is_awake("kv_cache")
+
+
+def test_a_failed_level_2_sleep_leaves_the_worker_awake_and_whole(worker):
+    """A sleep that fails (here: unmapping the KV cache, after the weights) is rolled back by
+    the allocator; the worker must not then count its weights discarded, or the KV cache
+    could never wake again without a reload the weights do not need."""
+    from tests.unit.test_sleep_hardening import Vmm
+    from vllm_ascend_rl import vmm
+
+    def busy(real, *args):
+        raise vmm.VmmError(16, "Device or resource busy", "host.unmap")
+
+    held, expected = worker.allocator.get_current_usage(), worker.model.weight.clone()
+    worker.allocator.vmm = Vmm(table_unmap=busy)
+    with pytest.raises(SleepError, match="failed unmapping allocation 1 of"):
+        worker.sleep(level=2)
+    worker.allocator.vmm = vmm
+    assert worker.allocator.get_current_usage() == held
+    worker.wake_up(None)  # what vLLM's /wake_up would do next: nothing to refuse
+    assert torch.equal(worker.model.weight, expected)
 
 
 def test_wake_up_keeps_vllm_ascends_nz_refusal(worker, monkeypatch):

@@ -97,13 +97,13 @@ def _build_class() -> type:
 
         def sleep(self, level: int = 1) -> None:
             self.check_sleep_level(level)
+            saved = {}
             if level >= 2:  # buffers (rotary caches, ...) are not reloaded from a checkpoint
                 model = self.model_runner.get_model()
-                self._saved_buffers = {
-                    name: b.to("cpu", copy=True) for name, b in model.named_buffers()
-                }
-                self._needs_reload = True
-            freed = release_for_sleep(self, self.camem_backend, level)
+                saved = {name: b.to("cpu", copy=True) for name, b in model.named_buffers()}
+            freed = release_for_sleep(self, self.camem_backend, level)  # all or nothing
+            if level >= 2:
+                self._saved_buffers, self._needs_reload = saved, True
             logger.info("sleep level %d released %.1f MiB", level, freed / 2**20)
 
         def wake_up(self, tags: list[str] | None = None) -> None:
