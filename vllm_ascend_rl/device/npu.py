@@ -34,6 +34,11 @@ _WATCHDOG_STOP = 2
 RL_ADDITIONAL_CONFIG = {"weight_nz_mode": 0}
 
 
+def rl_config_enabled(additional_config: dict | None) -> bool:
+    """Whether ``--additional-config`` turns vllm-ascend's ``rl_config`` on."""
+    return bool(((additional_config or {}).get("rl_config") or {}).get("enabled"))
+
+
 def nz_weight_mode(additional_config: dict | None = None) -> int:
     """vllm-ascend's FRACTAL_NZ weight mode (default 1): in a vLLM process, its config's
     (``get_ascend_config().weight_nz_mode``, ``ascend_config.py:238-245`` at 182b75e); elsewhere
@@ -46,11 +51,10 @@ def nz_weight_mode(additional_config: dict | None = None) -> int:
         return int(get_ascend_config().weight_nz_mode)
     except (ImportError, AttributeError, RuntimeError):
         pass
-    config = additional_config or {}
-    if (config.get("rl_config") or {}).get("enabled"):
+    if rl_config_enabled(additional_config):
         return 0
-    if "weight_nz_mode" in config:
-        return int(config["weight_nz_mode"])
+    if "weight_nz_mode" in (additional_config or {}):
+        return int(additional_config["weight_nz_mode"])
     return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
 
 
@@ -133,7 +137,7 @@ class NpuDevice(Device):
         self, store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
-        group (``netloader_pg.py:122-130`` at vllm-ascend@182b75e), plus the communicator
+        group (``netloader_pg.py:122-128`` at vllm-ascend@182b75e), plus the communicator
         settings of :func:`~vllm_ascend_rl.device.group.hccl_config` (exec timeout, buffer,
         name), which the netloader does not set. Its watchdog is
         STOPped: with the default ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed

@@ -213,7 +213,11 @@ def _nz(additional_config: dict | None) -> Check:
     return ok(ENV, "NZ weight format", "off")
 
 
-def engine_core_alloc_conf(frontend: str | None, additional_config: dict | None) -> str | None:
+# Entries of PYTORCH_NPU_ALLOC_CONF that stop vllm-ascend appending expandable_segments:True.
+LEFT_ALONE_BY = ("expandable_segments", "max_split_size_mb", "garbage_collection_threshold")
+
+
+def engine_core_alloc_conf(frontend: str | None, additional_config: dict | None) -> str:
     """The ``PYTORCH_NPU_ALLOC_CONF`` vllm-ascend's frontend hands the engine core, whose
     torch_npu reads it once, when its caching allocator starts (vllm-ascend@182b75e, without
     ``--enable-sleep-mode``): with ``rl_config`` enabled it drops every ``expandable_segments``
@@ -223,17 +227,15 @@ def engine_core_alloc_conf(frontend: str | None, additional_config: dict | None)
     becoming just that (``platform.py:395`` -> ``:1208-1227``). ``NPUWorker.__init__`` strips
     it again under ``rl_config`` (``worker.py:129``), late: whatever starts torch_npu's
     allocator before that sees ``True``."""
-    rl_config = (additional_config or {}).get("rl_config") or {}
+    from vllm_ascend_rl.device.npu import rl_config_enabled
+
     conf = frontend
-    if rl_config.get("enabled") and conf:
-        conf = ",".join(
-            e
-            for e in (p.strip() for p in conf.split(","))
-            if e and not e.startswith("expandable_segments:")
-        )
+    if rl_config_enabled(additional_config) and conf:
+        entries = (e.strip() for e in conf.split(","))
+        conf = ",".join(e for e in entries if e and not e.startswith("expandable_segments:"))
     if conf is None:
         return "expandable_segments:True"
-    if not any(k in conf for k in ("expandable_segments", "max_split_size_mb", "garbage_coll")):
+    if not any(entry in conf for entry in LEFT_ALONE_BY):
         conf += ",expandable_segments:True"
     return conf
 
@@ -241,7 +243,7 @@ def engine_core_alloc_conf(frontend: str | None, additional_config: dict | None)
 def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
     """The sleep pools need torch_npu's expandable segments off in the engine core; on NPU
     that is the value vllm-ascend's frontend hands it (:func:`engine_core_alloc_conf`)."""
-    from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
+    from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG, rl_config_enabled
 
     name, frontend = "PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF")
     if not npu:  # nothing rewrites it
@@ -256,8 +258,7 @@ def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
         "then leaves the setting as it is"
     )
     refusal = _alloc_conf_refusal(frontend) or _alloc_conf_refusal(conf)
-    rl_config = (additional_config or {}).get("rl_config") or {}
-    if refusal and rl_config.get("enabled") and not _alloc_conf_refusal(frontend):
+    if refusal and rl_config_enabled(additional_config) and not _alloc_conf_refusal(frontend):
         return warn(ENV, name, f"{found} until NPUWorker.__init__ strips it", route)
     if refusal:
         return fail(ENV, name, found, f"{refusal} {route}")
