@@ -220,9 +220,9 @@ class VLLMServer:
         root = psutil.Process(self.proc.pid)
         return [root.pid] + [c.pid for c in root.children(recursive=True)]
 
-    def _let_sharers_come_up(self) -> None:
-        """Wait for the servers starting on this one's chips: its memory frees as it goes,
-        and vllm-ascend fails a start whose free memory grew while it profiled
+    def wait_for_chip_sharers(self) -> None:
+        """Wait for the servers starting on this one's chips; before this one's memory frees
+        (a stop, a kill): vllm-ascend fails a start whose free memory grew while it profiled
         (``worker.py:537-546``)."""
         for other in self.profile.chip_sharers(self):
             if other.is_alive() and not other.came_up:
@@ -231,8 +231,8 @@ class VLLMServer:
 
     def kill_engine(self) -> None:
         """SIGKILL the engine core and its workers, as the OOM killer would; the API server
-        and Python's resource tracker stay (stop() still cleans up)."""
-        self._let_sharers_come_up()
+        and Python's resource tracker stay (stop() still cleans up). Call
+        :meth:`wait_for_chip_sharers` first."""
         self._segments |= _orphanable_segments(self.proc.pid)
         self._kill_all_but_trackers(keep_api_server=True)
         self._engine_killed = True
@@ -256,7 +256,7 @@ class VLLMServer:
         """Terminate the whole process group; escalate to SIGKILL after ``timeout_s``."""
         if self.proc is None:
             return
-        self._let_sharers_come_up()
+        self.wait_for_chip_sharers()
         if self._engine_killed:  # its API server waits on requests nobody will answer
             timeout_s, self._engine_killed = min(timeout_s, 5.0), False
         pgid = self.proc.pid  # started with start_new_session: the group outlives its leader

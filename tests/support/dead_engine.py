@@ -18,6 +18,7 @@ def kill_mid_sync(
     it; the trainer's error message and the seconds from the kill to the failure. Fails the
     test if the send did not fail or hung."""
     engine.pids()  # alive and known before the kill
+    engine.wait_for_chip_sharers()  # not while the kill lands: the send would outlast its stall
     failure: list[BaseException] = []
 
     def send() -> None:
