@@ -261,16 +261,17 @@ def test_repeated_calls_are_harmless(server, ctl, baseline):
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
 
 
-def test_fifty_cycles_keep_memory_and_output(server, ctl, baseline):
+def test_twenty_cycles_keep_memory_and_output(server, ctl, baseline):
+    """A leak per cycle: 0.4% of RSS over 20 cycles is 1% over 50, the bound per cycle."""
     ctl.sleep(1)
     ctl.wake_up()
     assert greedy_token_ids(server.url, PROBE, 24) == baseline
     start = rss(server)
-    for i in range(50):
+    for i in range(20):
         ctl.sleep(1)
         ctl.wake_up()
         if i % 10 == 9:
             assert greedy_token_ids(server.url, PROBE, 24) == baseline, f"cycle {i + 1}"
     growth = rss(server) / start - 1
-    print(f"RSS growth over 50 sleep/wake cycles: {growth:.4%}")
-    assert growth < 0.01, f"RSS grew {growth:.2%} over 50 cycles"
+    print(f"RSS growth over 20 sleep/wake cycles: {growth:.4%}")
+    assert growth < 0.004, f"RSS grew {growth:.2%} over 20 cycles"
