@@ -286,10 +286,14 @@ class WeightSyncCases(WeightSyncServers):
         while staging_segments() - segments_before and time.monotonic() < t0 + 30:
             time.sleep(0.2)
         assert not staging_segments() - segments_before, "a dead trainer's segments remain"
-        # The engine's update fails before the exec timeout, with a message; it keeps serving.
+        # The engine's update fails long before the exec timeout, with a message, and the
+        # engine keeps serving. (A failure path that synchronizes the device waits it out.)
         while "weight transfer failed" not in engine.log_path.read_text(errors="replace"):
-            assert time.monotonic() < t0 + timeout_s, "the failure waited behind the collective"
+            assert time.monotonic() < t0 + 2 * timeout_s, "the engine never reported it"
             time.sleep(0.5)
+        failed_after = time.monotonic() - t0
+        assert failed_after < timeout_s / 2, f"failed after {failed_after:.0f}s: it waited"
+        print(f"\nthe engine reported the dead trainer {failed_after:.1f} s into the send")
         # The layers loaded before the crash were restored: the engine serves exactly v1.
         self.assert_alive_and_intact(engine, v1_probe)
         failed = scrape(engine.url)
