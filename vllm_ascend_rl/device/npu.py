@@ -139,14 +139,13 @@ class NpuDevice(Device):
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
         group (``netloader_pg.py:122-128`` at vllm-ascend@182b75e), plus the communicator
         settings of :func:`~vllm_ascend_rl.device.group.hccl_config` (exec timeout, buffer,
-        name), which the netloader does not set. Its watchdog is
-        STOPped: with the default ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed
-        collective "to take the entire process down" (``ProcessGroupHCCL.cpp:1024-1041``,
-        torch_npu 2.10.0.post4), killing the engine when a trainer dies. STOP
-        (``set_watchdog_status``, per group, ``:3710-3717``) keeps our works out of it
-        (``workEnqueue`` returns early, ``:3517-3519``; the loop skips the group,
-        ``:2216-2218``); :class:`BroadcastChannel` polls ``is_completed`` against ``timeout_s``
-        and aborts the communicator itself."""
+        name), which the netloader does not set. Its watchdog is STOPped: with the default
+        ``HCCL_ASYNC_ERROR_HANDLING=1`` it rethrows a failed collective "to take the entire
+        process down" (``ProcessGroupHCCL.cpp:1024-1041``, torch_npu 2.10.0.post4), killing the
+        engine when a trainer dies. STOP (``set_watchdog_status``, per group, ``:3710-3717``)
+        keeps our works out of it (``workEnqueue`` returns early, ``:3517-3519``; the loop skips
+        the group, ``:2216-2218``); :class:`BroadcastChannel` polls ``is_completed`` against
+        ``timeout_s`` and aborts the communicator itself."""
         from torch.distributed import ProcessGroup
         from torch.distributed.distributed_c10d import Backend
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
