@@ -42,8 +42,8 @@ def test_the_job_runs_on_the_runner_whose_chips_cpu_ci_emulates():
 
 
 def test_every_python_snippet_imports_names_that_exist():
-    """R1's kind: a step running or importing a module or name the package does not have
-    fails here."""
+    """A step that runs or imports a module or name the package does not have (the workflow
+    once imported a ``vllm_ascend_rl._C`` that never existed) fails here."""
     checked = 0
     for step in steps():
         for module in python_arguments(step.get("run", ""), "-m"):
@@ -68,7 +68,7 @@ def test_every_python_snippet_imports_names_that_exist():
 
 
 @pytest.mark.parametrize("step", [s for s in steps() if s.get("id", "").startswith("preflight")])
-def test_a_preflight_step_passes_on_the_cpu_stack(step, tmp_path):
+def test_a_preflight_step_passes_on_the_cpu_stack(step):
     """Run as the workflow runs it (``bash -e``; the runner's ``-l`` only loads the Ascend
     toolkit's environment), from the repository root, with this interpreter as ``python``."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
