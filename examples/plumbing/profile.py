@@ -7,8 +7,8 @@ chip disturb each other's KV-cache sizing):
 
 - every server takes chips of its own from this process's :class:`ChipPool`, the lowest free
   ones, when it starts, and gives them back when it stops. Only on a host with too few chips
-  do two servers share one; the later one then starts once the earlier one is up, and the
-  memory fraction (0.4) leaves room for both;
+  do servers share one; a later one then starts once the earlier ones are up, one stops only
+  once those starting are up, and their memory fractions together fit the chip;
 - a colocated (NPU-IPC) trainer rank sits on its engine worker's chip;
 - an HCCL trainer rank takes a chip of its own: the highest chip its engine does not use
   (HCCL needs one rank per device).
