@@ -48,13 +48,22 @@ def pytest_configure(config):
     os.environ["VLLM_ASCEND_RL_DEVICE"] = config.getoption("--device")
 
 
-def pytest_terminal_summary(terminalreporter):
-    """How full the chips got (docs/deployment.md quotes it for the Ascend runner)."""
+REPORT = pytest.StashKey[list]()
+
+
+@pytest.fixture
+def report(request) -> Callable[[str], None]:
+    """Add a line to the session's closing summary, which CI's log shows."""
+    return request.config.stash.setdefault(REPORT, []).append
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The lines tests reported, and how full the chips got (docs/deployment.md quotes it)."""
     from examples.plumbing.profile import layout_report
 
-    report = layout_report()
-    if report:
-        terminalreporter.write_line(report)
+    for line in [*config.stash.get(REPORT, []), layout_report()]:
+        if line:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -68,7 +68,7 @@ def test_every_python_snippet_imports_names_that_exist():
 
 
 @pytest.mark.parametrize("step", [s for s in steps() if s.get("id", "").startswith("preflight")])
-def test_a_preflight_step_passes_on_the_cpu_stack(step):
+def test_a_preflight_step_passes_on_the_cpu_stack(step, report):
     """Run as the workflow runs it (``bash -e``; the runner's ``-l`` only loads the Ascend
     toolkit's environment), from the repository root, with this interpreter as ``python``."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -84,4 +84,4 @@ def test_a_preflight_step_passes_on_the_cpu_stack(step):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     collected = re.search(r"(\d+)(?:/\d+)? tests? collected", out.stdout)
     assert collected and int(collected.group(1)) > 0, out.stdout[-2000:]
-    print(f"\n{step['name']}: {collected.group(0)}")
+    report(f"the Ascend workflow's {step['name']} step passed on CPU: {collected.group(0)}")

@@ -34,14 +34,14 @@ def our_uses():
             yield from uses(path.read_text(), rel)
 
 
-def test_every_torch_npu_api_the_plugin_uses_is_in_the_pinned_build(build):
+def test_every_torch_npu_api_the_plugin_uses_is_in_the_pinned_build(build, report):
     found = list(our_uses())
     unchecked = sorted({u.name for u in found if u.name.split(".")[0] in NOT_IN_WHEEL})
     checked = [u for u in found if u.name.split(".")[0] not in NOT_IN_WHEEL]
     missing = [f"{u.where}: {problem}" for u in checked if (problem := check(build, u))]
     assert not missing, "\n".join(missing)
-    print(
-        f"\nchecked {len(checked)} uses of {len({u.name for u in checked})} torch_npu APIs "
+    report(
+        f"checked {len(checked)} uses of {len({u.name for u in checked})} torch_npu APIs "
         "against torch-npu 2.10.0.post4; not checkable from the wheel: "
         + ", ".join(f"{n} ({NOT_IN_WHEEL[n.split('.')[0]]})" for n in unchecked)
     )
