@@ -108,7 +108,11 @@ def test_hccl_swap_reaches_both_ranks_and_continuations_match(server, ctl, model
     env = trainer_env(server.chips, colocated=False)
     with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
         init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
-        out = swap_mid_generation(server.url, lambda: trainer.send(weight_version="v2"))
+        # 200 tokens a stream (the default 600 is for one worker): two workers share the two
+        # cores, and a pause mid-stream needs only the first few.
+        out = swap_mid_generation(
+            server.url, lambda: trainer.send(weight_version="v2"), max_tokens=200
+        )
     assert not out.problems, out.problems
     assert all(k > 0 for k in out.split), out.split
     synced = greedy_token_ids(server.url, PROBE, 16)
