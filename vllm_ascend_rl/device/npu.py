@@ -241,7 +241,7 @@ REBUILD_ARGS = (
 def ipc_handle(args: tuple, nbytes: int, location: dict[str, str]) -> dict[str, Any]:
     """The JSON handle (never pickled) of an exported uint8 buffer of ``nbytes``, from its
     rebuild arguments. Its id is the storage's IPC handle *and* the storage offset: the handle
-    names the caching allocator's segment, so ring slots carved from one share it (N2)."""
+    names the caching allocator's segment, so ring slots carved from one share it."""
     a = dict(zip(REBUILD_ARGS, args, strict=True))
     return {
         "kind": "npu_ipc",

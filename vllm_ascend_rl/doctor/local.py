@@ -257,8 +257,9 @@ def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
         f"--additional-config '{json.dumps(RL_ADDITIONAL_CONFIG)}', not rl_config: vllm-ascend "
         "then leaves the setting as it is"
     )
-    refusal = _alloc_conf_refusal(frontend) or _alloc_conf_refusal(conf)
-    if refusal and rl_config_enabled(additional_config) and not _alloc_conf_refusal(frontend):
+    own = _alloc_conf_refusal(frontend)  # the user's own setting: refused whatever rewrites it
+    refusal = own or _alloc_conf_refusal(conf)
+    if refusal and not own and rl_config_enabled(additional_config):
         return warn(ENV, name, f"{found} until NPUWorker.__init__ strips it", route)
     if refusal:
         return fail(ENV, name, found, f"{refusal} {route}")

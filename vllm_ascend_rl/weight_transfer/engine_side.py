@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -131,25 +132,31 @@ def parse_update_info(engine: Any, update_dict: Any) -> Any:
     return parse_wire(engine.update_info_cls, update_dict, "update_info")
 
 
-# vLLM's GPU worker runs the update hooks inside ``set_current_vllm_config`` (gpu_worker.py:1514,
-# 1571, 1597 in 0.32.0; 1236, 1292, 1310 in 0.27.1), vllm-ascend's NPUWorker does not
-# (worker.py:297-336 at 182b75e): the engine sets it, so a loader or a layer's post-load
-# processing that reads the current config works on both.
-def start_weight_update(engine: Any) -> None:
+@contextmanager
+def _entered(engine: Any) -> Iterator[None]:
+    """The engine's lock held and its vLLM config current: vLLM's GPU worker runs the update
+    hooks inside ``set_current_vllm_config`` (gpu_worker.py:1514, 1571, 1597 in 0.32.0; 1236,
+    1292, 1310 in 0.27.1), vllm-ascend's NPUWorker does not (worker.py:297-336 at 182b75e), so
+    the engine sets it: a loader or a layer's post-load processing that reads it works on both."""
     with engine.lock, set_current_vllm_config(engine.vllm_config):
+        yield
+
+
+def start_weight_update(engine: Any) -> None:
+    with _entered(engine):
         require_up(engine)
         engine.session.start()
 
 
 def finish_weight_update(engine: Any) -> None:
-    with engine.lock, set_current_vllm_config(engine.vllm_config):
+    with _entered(engine):
         engine.session.finish()
 
 
 def update_weights(engine: Any, update_info: Any) -> None:
     """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
     its error says what the model holds now."""
-    with engine.lock, set_current_vllm_config(engine.vllm_config):
+    with _entered(engine):
         _update_weights(engine, update_info)
 
 
@@ -185,7 +192,7 @@ def receive_weights(engine: Any, update_info: CheckpointUpdateInfo, **legacy: An
 
 
 def shutdown(engine: Any) -> None:
-    with engine.lock, set_current_vllm_config(engine.vllm_config):
+    with _entered(engine):
         engine.session.cancel("the weight transfer engine was shut down", "shutdown")
         engine.disconnect("the weight transfer engine was shut down")
         release_buffers(engine)
