@@ -141,7 +141,7 @@ def test_a_collective_that_trails_the_peers_http_answer_still_completes():
 def test_a_device_sync_waits_behind_a_queued_collective_until_it_completes():
     """Stand-in for the NPU (N3): a device-wide synchronize waits for a collective still
     queued on the device, here a broadcast the trainer has not joined yet."""
-    from vllm_ascend_rl.device.cpu import CpuDevice
+    from vllm_ascend_rl.device.cpu.device import CpuDevice
 
     joined = threading.Event()
     synced: list[bool] = []
@@ -173,7 +173,7 @@ def test_a_handshake_nobody_joins_holds_device_syncs_only_until_the_exec_timeout
     """[N9] A handshake no trainer joins (an update_weights nobody sent) times out and the
     connection is closed, but the all-reduce stays queued on the device: the communicator's
     exec timeout (timeout_s, rounded up) bounds how long device-wide syncs wait behind it."""
-    from vllm_ascend_rl.device.cpu import CpuDevice
+    from vllm_ascend_rl.device.cpu.device import CpuDevice
 
     done = threading.Event()
 

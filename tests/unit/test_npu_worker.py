@@ -18,7 +18,7 @@ import torch
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 import vllm_ascend_rl.device as device_mod
-from vllm_ascend_rl.device.cpu import CpuDevice
+from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 
 

@@ -16,7 +16,7 @@ import torch
 
 from tests.unit.test_camem_allocator import fill
 from vllm_ascend_rl import vmm
-from vllm_ascend_rl.device.cpu import CpuDevice
+from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.sleep import allocator as allocator_mod
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from vllm_ascend_rl.device.cpu import CpuDevice
+from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.hccl import (

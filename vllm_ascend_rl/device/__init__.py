@@ -1,6 +1,7 @@
 """The one hardware seam: everything device-specific goes through a :class:`Device`:
-``cpu`` (gloo, shared memory, host virtual memory; what CI runs) or ``npu`` (HCCL, torch_npu
-IPC, CANN VMM; imported only when asked for). Nothing outside this package calls torch_npu."""
+``cpu`` (the stand-in of :mod:`.cpu`: gloo, shared memory, host virtual memory; what CI runs) or
+``npu`` (HCCL, torch_npu IPC, CANN VMM; imported only when asked for). No product module
+outside this package calls torch_npu or imports the CPU stand-in."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 @cache
 def get_device(kind: str, index: int = 0) -> Device:
     if kind == "cpu":
-        from vllm_ascend_rl.device.cpu import CpuDevice
+        from vllm_ascend_rl.device.cpu.device import CpuDevice
 
         return CpuDevice(index)
     if kind == "npu":
@@ -43,21 +44,21 @@ def device_kind() -> str:
     return kind
 
 
-def current_device(cpu_chip: int = 0) -> Device:
-    """This thread's device, read once: the current NPU, or the emulated chip ``cpu_chip``."""
-    kind = device_kind()
-    if kind == "npu":
+def current_device() -> Device:
+    """This thread's device, read once: the current NPU, or this process's emulated chip."""
+    return device_for(device_kind())
+
+
+def device_for(torch_device: torch.device | str) -> Device:
+    """The :class:`Device` for a torch device: ``npu:N``; ``npu``, the current NPU; ``cpu``,
+    this process's emulated chip (:func:`.cpu.chip.current_chip`)."""
+    kind, _, index = str(torch_device).partition(":")
+    if kind == "cpu":
+        from vllm_ascend_rl.device.cpu.chip import current_chip
+
+        return get_device(kind, current_chip())
+    if kind == "npu" and not index:
         from vllm_ascend_rl.device.npu import current_index
 
         return get_device(kind, current_index())
-    return get_device(kind, cpu_chip)
-
-
-def device_for(torch_device: torch.device | str, cpu_chip: int = 0) -> Device:
-    """The :class:`Device` for a torch device (``cpu`` or ``npu:N``); CPU is chip ``cpu_chip``."""
-    kind, _, index = str(torch_device).partition(":")
-    if kind == "cpu":
-        return get_device(kind, cpu_chip)
-    if not index:
-        return current_device()
-    return get_device(kind, int(index))
+    return get_device(kind, int(index or 0))

@@ -8,9 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+    from contextlib import AbstractContextManager
 
     import torch
-    from torch.distributed import ProcessGroup
+    from torch.distributed import ProcessGroup, Store
+
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,13 @@ class ExportedBuffer(ImportedBuffer):
     """A staging buffer the trainer owns and shares; ``handle`` is plain JSON; ``unlink`` makes
     it unreachable for new importers (existing mappings stay valid)."""
 
-    def __init__(self, tensor, handle: dict[str, Any], unlink: Callable[[], None], release):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        handle: dict[str, Any],
+        unlink: Callable[[], None],
+        release: Callable[[], None],
+    ) -> None:
         super().__init__(tensor, release)
         self.handle, self.unlink = handle, unlink
 
@@ -142,6 +151,11 @@ class Device(ABC):
     def write_device(self, addr: int, src: torch.Tensor) -> None:
         """Copy the host tensor ``src`` to device address ``addr``."""
 
+    @abstractmethod
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+        """A block in which this thread's new tensors on this device come from ``allocator``
+        (``allocator.use_memory_pool`` has set ``tag`` for the native entry points)."""
+
     def location(self) -> dict[str, str]:
         """Where this device is: host identity plus the physical chip."""
         return {**host_identity(), "chip": f"{self.kind}{self.index}"}
@@ -162,7 +176,7 @@ class Device(ABC):
     # -- the weight-broadcast group (see vllm_ascend_rl.device.group) ----------------------
     @abstractmethod
     def group_backend(
-        self, store: Any, rank: int, world_size: int, timeout_s: float, group_id: str
+        self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
         """Our weight-broadcast group's backend over ``store``; ``group_id`` names the
         rendezvous, the same on every rank."""

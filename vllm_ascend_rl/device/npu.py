@@ -7,9 +7,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +26,12 @@ from vllm_ascend_rl.device.base import (
     ipc_buffer_id,
 )
 from vllm_ascend_rl.device.group import hccl_config
+
+if TYPE_CHECKING:
+    import torch.npu  # registered by torch_npu at import; untyped
+    from torch.distributed import ProcessGroup, Store
+
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 # torch_npu 2.10.0.post4 ProcessGroupHCCL.hpp: enum class WatchdogStatus {INIT, RUN, STOP}.
 _WATCHDOG_STOP = 2
@@ -51,10 +59,11 @@ def nz_weight_mode(additional_config: dict | None = None) -> int:
         return int(get_ascend_config().weight_nz_mode)
     except (ImportError, AttributeError, RuntimeError):
         pass
-    if rl_config_enabled(additional_config):
+    config = additional_config or {}
+    if rl_config_enabled(config):
         return 0
-    if "weight_nz_mode" in (additional_config or {}):
-        return int(additional_config["weight_nz_mode"])
+    if "weight_nz_mode" in config:
+        return int(config["weight_nz_mode"])
     return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
 
 
@@ -84,7 +93,7 @@ def chips_and_cann() -> tuple[int, str]:
     return torch_npu.npu.device_count(), str(torch_npu.npu.utils.get_cann_version("CANN"))
 
 
-def _torch_npu():
+def _torch_npu() -> ModuleType:
     try:
         import torch_npu
     except ImportError as e:
@@ -134,7 +143,7 @@ class NpuDevice(Device):
 
     # -- the weight-broadcast group --------------------------------------------------------
     def group_backend(
-        self, store, rank: int, world_size: int, timeout_s: float, group_id: str
+        self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
         group (``netloader_pg.py:122-128`` at vllm-ascend@182b75e), plus the communicator
@@ -165,7 +174,7 @@ class NpuDevice(Device):
             torch.device("npu"),
         )
 
-    def close_group(self, pg, broken: bool) -> None:
+    def close_group(self, pg: ProcessGroup, broken: bool) -> None:
         """A healthy group shuts down (which synchronizes its HCCL streams); a broken one
         aborts its communicators instead: ``shutdown()`` would wait on a collective hung on
         a dead peer until ``HCCL_EXEC_TIMEOUT`` (``ProcessGroupHCCL.cpp:1445-1472``)."""
@@ -176,6 +185,9 @@ class NpuDevice(Device):
 
         backend: ProcessGroupHCCL = pg._get_backend(torch.device("npu"))
         backend.abort_hccl_comm("vllm_ascend_rl: weight-transfer channel broken")
+
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+        return pluggable_pool(allocator)
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         _acl_memcpy(out.data_ptr(), addr, out.numel() * out.element_size(), _D2H)
@@ -307,7 +319,7 @@ _PLUGGABLE: list = []
 
 
 @contextmanager
-def pluggable_pool(allocator):
+def pluggable_pool(allocator: CaMemAllocator) -> Iterator[None]:
     """Route torch_npu allocations inside the block through ``vllm_ascend_rl.libvmm``'s ACL VMM
     entry points, which record each in the allocation table with the tag
     ``allocator.use_memory_pool`` set, and run no Python. Each entry gets a fresh pool, never
@@ -330,7 +342,7 @@ def pluggable_pool(allocator):
     _trim(pool, allocator)
 
 
-def _trim(pool: torch.npu.memory.MemPool, allocator) -> None:
+def _trim(pool: torch.npu.memory.MemPool, allocator: CaMemAllocator) -> None:
     """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
     torch_npu/csrc/npu/Module.cpp:1478-1533 in 2.10.0.post4)."""
     torch.npu.synchronize(allocator.device_index)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from vllm_ascend_rl import vmm as vmm_lib
-from vllm_ascend_rl.device import Device, get_device
+from vllm_ascend_rl.device import Device, device_kind, get_device
 from vllm_ascend_rl.logs import get_logger
 
 logger = get_logger(__name__)
@@ -168,20 +168,12 @@ class CaMemAllocator:
 
     @contextmanager
     def use_memory_pool(self, tag: str = DEFAULT_TAG) -> Iterator[None]:
-        """Every tensor allocated inside is tagged ``tag``: on Ascend through torch_npu's
-        pluggable pool; on CPU ``torch.zeros``/``torch.empty`` come from host virtual memory."""
+        """Every tensor allocated inside is tagged ``tag`` (:meth:`Device.memory_pool`: on Ascend
+        torch_npu's pluggable pool; on CPU ``torch.zeros``/``torch.empty`` from host memory)."""
         previous = self.vmm.table_set_tag(tag)
         try:
-            if self.backend == "acl":
-                from vllm_ascend_rl.device.npu import pluggable_pool
-
-                with pluggable_pool(self):
-                    yield
-            else:
-                from vllm_ascend_rl.sleep.host_pool import HostAllocationMode
-
-                with HostAllocationMode(self, tag):
-                    yield
+            with self.device.memory_pool(self, tag):
+                yield
         finally:
             self.vmm.table_set_tag(previous)
 
@@ -292,11 +284,11 @@ class CaMemAllocator:
 
     def _back_up(self, alloc: Allocation) -> None:
         """Copy an awake allocation to its host backup, allocated on its first sleep."""
+        hw = self._hw(alloc.device)
         backup = self._backups.get(alloc.addr)
         if backup is None or backup.id != alloc.id:
-            tensor = torch.empty(alloc.size, dtype=torch.uint8, pin_memory=self.backend == "acl")
-            backup = self._backups[alloc.addr] = _Backup(alloc.id, tensor)
-        self._hw(alloc.device).read_device(alloc.addr, backup.tensor)
+            backup = self._backups[alloc.addr] = _Backup(alloc.id, hw.host_buffer(alloc.size))
+        hw.read_device(alloc.addr, backup.tensor)
         backup.current = True
 
     def _outdate_backup(self, addr: int) -> None:
@@ -395,8 +387,6 @@ def _tags(tags: Iterable[str] | str | None) -> set[str] | None:
 
 
 def _default_backend() -> str:
-    from vllm_ascend_rl.device import device_kind
-
     return "acl" if device_kind() == "npu" else "host"
 
 

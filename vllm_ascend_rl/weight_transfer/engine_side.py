@@ -48,7 +48,7 @@ def engine_setup(engine: Any, device: torch.device, backend: str) -> tuple[Devic
     would refuse every update."""
     parallel = engine.parallel_config
     worker = worker_index(parallel)
-    hw = device_for(device, cpu_chip=worker)
+    hw = device_for(device)
     refusal = hw.weight_update_refusal()
     if refusal:
         raise ValueError(refusal)

@@ -56,7 +56,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         self.init_info = init_info
         # Read once, here: on NPU the current device is per thread, and the rendezvous and
         # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
-        self.hw = current_device(cpu_chip=init_info.rank)
+        self.hw = current_device()
         self.channel: BroadcastChannel | None = None
         self._staging: list[torch.Tensor] = []
 

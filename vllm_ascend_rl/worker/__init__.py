@@ -1,5 +1,5 @@
-"""Sleepable workers: vLLM's CPU worker and vllm-ascend's NPU worker on the ``ascend_rl_camem``
-sleep backend."""
+"""What the sleepable workers share on the ``ascend_rl_camem`` sleep backend: vllm-ascend's NPU
+worker (:mod:`.npu_worker`) and the CPU stand-in's (``device/cpu/worker.py``)."""
 
 from __future__ import annotations
 

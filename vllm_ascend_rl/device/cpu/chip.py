@@ -1,6 +1,7 @@
 """Emulated chips of the CPU stand-in, strict where our code depends on how NPU chips behave.
 
-- One chip per engine worker (:func:`claim_chip`); touching another chip's memory is an error.
+- One chip per process (:func:`current_chip`): an engine worker claims its own
+  (:func:`claim_chip`), and touching another chip's memory is then an error.
 - ``VLLM_ASCEND_RL_CPU_CHIPS`` ("4,5") maps logical to host chips (``ASCEND_RT_VISIBLE_DEVICES``).
 - Device-wide memory (:data:`CHIP_BYTES`, or ``VLLM_ASCEND_RL_CPU_CHIP_BYTES``), shared by
   every process on a chip through a ledger directory (``VLLM_ASCEND_RL_CPU_CHIP_LEDGER``; a
@@ -17,6 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch.distributed as dist
+
 CHIP_BYTES = 64 << 30  # an Atlas A2 (910B) chip's HBM, unless CHIP_BYTES_ENV says otherwise
 VISIBLE_ENV = "VLLM_ASCEND_RL_CPU_CHIPS"
 LEDGER_ENV = "VLLM_ASCEND_RL_CPU_CHIP_LEDGER"
@@ -30,6 +33,18 @@ def claim_chip(index: int) -> None:
     if _CLAIMED and _CLAIMED[0] != index:
         raise RuntimeError(f"this process already serves emulated chip {_CLAIMED[0]}")
     _CLAIMED[:] = [index]
+
+
+def current_chip() -> int:
+    """This process's logical chip: the one it claimed (an engine worker's, by the CPU worker
+    classes), else its ``torch.distributed`` rank (in a vLLM worker its global rank; a trainer
+    rank ``r``, which joins its ranks' default group before its weight-transfer init, sits on
+    chip ``r``), else 0."""
+    if _CLAIMED:
+        return _CLAIMED[0]
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
 
 
 def check_own_chip(index: int) -> None:

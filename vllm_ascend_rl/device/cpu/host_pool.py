@@ -5,37 +5,37 @@ to torch) are served from the sleep allocator, freed when the tensor's last view
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-if TYPE_CHECKING:
-    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 _SERVED = (torch.zeros, torch.empty)
 _KNOWN_KWARGS = {"size", "dtype", "device", "layout", "pin_memory", "requires_grad"}
 
 
 class HostAllocationMode(TorchFunctionMode):
-    def __init__(self, allocator: CaMemAllocator, tag: str) -> None:
-        super().__init__()
-        self.allocator, self.tag = allocator, tag
+    """``pooled(nbytes)``: a zero-filled uint8 tensor from the pool, freed with its last view."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __init__(self, pooled: Callable[[int], torch.Tensor]) -> None:
+        super().__init__()
+        self.pooled = pooled
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         shape = _servable_shape(func, args, kwargs)
         if shape is not None:
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > 0:
-                alloc = self.allocator.allocate(nbytes, self.tag)  # zero-filled memory
-                flat = self.allocator.tensor(alloc, nbytes, owned=True)
-                return flat.view(dtype).view(shape)
+                return self.pooled(nbytes).view(dtype).view(shape)
         return func(*args, **kwargs)
 
 
-def _servable_shape(func, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+def _servable_shape(func: object, args: tuple, kwargs: dict[str, Any]) -> tuple[int, ...] | None:
     """The requested shape if this call is one the pool serves, else None."""
     if func not in _SERVED or set(kwargs) - _KNOWN_KWARGS:
         return None

@@ -7,12 +7,13 @@ linear layers' packed copies), which must be reloaded before the KV cache may wa
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any, NoReturn
 
 import torch
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_ascend_rl.device import worker_index
-from vllm_ascend_rl.device.cpu_chip import ChipMemory, StartupMemory, claim_chip, host_chip
+from vllm_ascend_rl.device.cpu.chip import ChipMemory, StartupMemory, claim_chip, host_chip
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 from vllm_ascend_rl.worker import (
@@ -26,12 +27,12 @@ from vllm_ascend_rl.worker import (
 logger = get_logger(__name__)
 
 
-def _discarded_linear(*_args, **_kwargs):
+def _discarded_linear(*_args: object, **_kwargs: object) -> NoReturn:
     raise RuntimeError(f"linear layer used after its weights were discarded: {RELOAD_HINT}")
 
 
 class ChipCPUWorker(CPUWorker):
-    """vLLM's CPU worker on one emulated chip (``device/cpu_chip.py``), sizing its start-up from
+    """vLLM's CPU worker on one emulated chip (:mod:`.chip`), sizing its start-up from
     the chip's device-wide memory as vllm-ascend's NPU worker does, so servers started together
     on one chip fail as on NPU. Test servers that name no worker class run it."""
 
@@ -43,7 +44,7 @@ class ChipCPUWorker(CPUWorker):
             ChipMemory(host_chip(index)), self.cache_config.gpu_memory_utilization
         )
 
-    def load_model(self, *args, **kwargs) -> None:
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         self.chip_memory.chip.record(_weight_bytes(self))
 
@@ -62,7 +63,7 @@ def _weight_bytes(worker: CPUWorker) -> int:
 
 
 class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.camem_backend = attach_sleep_backend(self)
         # param -> (size, stride, bytes) to restore
@@ -80,7 +81,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         pooled = tag in ("weights", "kv_cache")
         return self.allocator.use_memory_pool(tag) if pooled else nullcontext()
 
-    def initialize_from_config(self, *args, **kwargs) -> None:
+    def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
         # vLLM 0.27.1 pools all of initialize_kv_cache, 0.32 only the KV allocation.
         super().initialize_from_config(*args, **kwargs)
         confine_kv_pool(self)
@@ -120,13 +121,14 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         model = self.model_runner.get_model()
         for module in model.modules():
             if hasattr(module, "cpu_linear"):  # the packed (oneDNN/SGL) copy of the weight
-                module.cpu_linear = _discarded_linear
+                module.cpu_linear = _discarded_linear  # type: ignore[assignment]
         for param in model.parameters():
             if nbytes := param.untyped_storage().nbytes():
                 self._discarded[param] = (param.size(), param.stride(), nbytes)
                 # A new, empty storage, not resize_(0): a storage numpy has seen (vLLM's
-                # /weight_checker digests through .numpy()) can never be resized again.
-                param.set_()  # the old storage is freed with its last reference
+                # /weight_checker digests through .numpy()) can never be resized again. The
+                # old storage is freed with its last reference.
+                param.set_()  # type: ignore[call-overload]
         self._needs_reload = True
         self.allocator.device.empty_cache()  # the host heap gives the storage back
 
@@ -135,5 +137,6 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         """Give every discarded parameter zeroed storage of its old shape, for a reload to
         fill (layerwise reload copies into these same tensors and rebuilds the packed linears)."""
         for param, (size, stride, _) in self._discarded.items():
-            param.set_(torch.empty_strided(size, stride, dtype=param.dtype).zero_())
+            zeros = torch.empty_strided(size, stride, dtype=param.dtype).zero_()
+            param.set_(zeros)  # type: ignore[call-overload]
         self._discarded.clear()

@@ -6,12 +6,17 @@ import ctypes
 import os
 import re
 import secrets
+import sys
 import threading
 import time
+from contextlib import AbstractContextManager
+from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed import ProcessGroup, Store
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from vllm_ascend_rl.device.base import (
     Device,
@@ -23,7 +28,12 @@ from vllm_ascend_rl.device.base import (
     host_identity,
     ipc_buffer_id,
 )
-from vllm_ascend_rl.device.cpu_chip import check_own_chip, host_chip
+from vllm_ascend_rl.device.cpu.chip import check_own_chip, host_chip
+from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode
+from vllm_ascend_rl.vmm import host_copy
+
+if TYPE_CHECKING:
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 SHM_PREFIX = "vllm_ascend_rl_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
@@ -52,17 +62,12 @@ class CpuDevice(Device):
     def location(self) -> dict[str, str]:
         return {**host_identity(), "chip": f"{self.kind}{host_chip(self.index)}"}
 
-    def torch_device(self, index: int | None = None) -> torch.device:
+    def torch_device(self) -> torch.device:
         return torch.device("cpu")
 
     def group_backend(
-        self, store, rank: int, world_size: int, timeout_s: float, group_id: str
+        self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
     ) -> GroupBackend:
-        from datetime import timedelta
-
-        from torch.distributed import ProcessGroup
-        from torch.distributed.distributed_c10d import ProcessGroupGloo
-
         gloo = ProcessGroupGloo(store, rank, world_size, timeout=timedelta(seconds=timeout_s))
         kind = ProcessGroup.BackendType.GLOO
         return GroupBackend(gloo, kind, kind, torch.device("cpu"))
@@ -75,8 +80,6 @@ class CpuDevice(Device):
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
                 raise ValueError(f"copy_bytes: {src.numel()} bytes into {n}")
-            from vllm_ascend_rl.vmm import host_copy
-
             host_copy(dst.data_ptr(), src.data_ptr(), n, COPY_THREADS)
         else:
             dst.numpy()[:] = src.numpy()
@@ -96,6 +99,12 @@ class CpuDevice(Device):
             pass
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+        def pooled(nbytes: int) -> torch.Tensor:
+            return allocator.tensor(allocator.allocate(nbytes, tag), nbytes, owned=True)
+
+        return HostAllocationMode(pooled)
+
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         check_own_chip(self.index)
         ctypes.memmove(out.data_ptr(), addr, out.numel() * out.element_size())
@@ -246,15 +255,19 @@ class SegmentCarver:
 def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
     if not isinstance(handle, dict) or handle.get("kind") != "shm":
         raise IpcHandleError(f"not a shared-memory handle: {handle!r}")
-    name, nbytes = handle.get("name"), handle.get("nbytes")
-    offset = handle.get("offset", 0)
+    name = handle.get("name")
     if not isinstance(name, str) or not _SHM_NAME.match(name):
         # Only our own segments: another name could map any process's segment.
         raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
-    for key, value in (("nbytes", nbytes), ("offset", offset)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise IpcHandleError(f"malformed shared-memory handle: {key} {value!r}")
-    return name, offset, nbytes
+    nbytes = _byte_count(handle, "nbytes", None)
+    return name, _byte_count(handle, "offset", 0), nbytes
+
+
+def _byte_count(handle: dict[str, Any], key: str, default: int | None) -> int:
+    value = handle.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise IpcHandleError(f"malformed shared-memory handle: {key} {value!r}")
+    return value
 
 
 def _bytes_of(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> torch.Tensor:
@@ -266,12 +279,11 @@ def _bytes_of(shm: shared_memory.SharedMemory, offset: int, nbytes: int) -> torc
 def _attach(name: str) -> shared_memory.SharedMemory:
     """Map an existing segment without letting this process's resource tracker unlink it at
     exit (Python < 3.13 registers attached segments too)."""
-    try:
-        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
-    except TypeError:
-        shm = shared_memory.SharedMemory(name=name)
-        resource_tracker.unregister(shm._name, "shared_memory")
-        return shm
+    if sys.version_info >= (3, 13):
+        return shared_memory.SharedMemory(name=name, track=False)
+    shm = shared_memory.SharedMemory(name=name)
+    resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+    return shm
 
 
 def _close(shm: shared_memory.SharedMemory) -> None:
