@@ -14,6 +14,8 @@ import torch
 
 from vllm_ascend_rl.device import IpcHandleError, get_device
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener
+from vllm_ascend_rl.weight_transfer.ipc_messages import Abort, Done, Filled, Hello, Ready, Welcome
+from vllm_ascend_rl.weight_transfer.wire import Verdict
 
 CPU = get_device("cpu")
 
@@ -175,19 +177,20 @@ def test_a_worker_hello_from_another_chip_is_refused_naming_both():
     listener, trainer_side, engine = doorbell_pair(5.0)
     try:
         info = AscendRLNPUIPCWeightTransferInitInfo(doorbells={"cpu0": listener.address})
-        here = CPU.location()
-        hello = {"hello": 1, "wire": wire_signature(info, None)}
-        assert not welcome(
-            trainer_side, {**hello, "location": {**here, "chip": "cpu5"}}, info, here
-        )
-        error = engine.recv("hello answer")["error"]
-        assert error.startswith(
+        here, wire = CPU.location(), wire_signature(info, None)
+        assert not welcome(trainer_side, Hello(worker=1, wire=wire, location=here), wire + 1, here)
+        error = engine.expect(Welcome, None, "hello answer").reason
+        assert error is not None and "disagree on protocol or wire parameters" in error, error
+        elsewhere = {**here, "chip": "cpu5"}
+        assert not welcome(trainer_side, Hello(worker=1, wire=wire, location=elsewhere), wire, here)
+        error = engine.expect(Welcome, None, "hello answer").reason
+        assert error is not None and error.startswith(
             f"engine worker 1: trainer and engine are not on the same chip: "
             f"trainer on chip {here['chip']} of host {here['host']}, "
             f"engine on chip cpu5 of host {here['host']}"
         ), error
-        assert welcome(trainer_side, {**hello, "location": here}, info, here)
-        assert engine.recv("hello answer") == {"welcome": True, "error": None}
+        assert welcome(trainer_side, Hello(worker=1, wire=wire, location=here), wire, here)
+        assert engine.recv("hello answer") == Welcome(reason=None)
     finally:
         for d in (trainer_side, engine, listener):
             d.close()
@@ -195,8 +198,8 @@ def test_a_worker_hello_from_another_chip_is_refused_naming_both():
 
 def test_doorbell_round_trip_eof_and_timeout():
     listener, trainer_side, engine = doorbell_pair(1.0)
-    trainer_side.send(bucket=3)
-    assert engine.expect("bucket", 3, "test") == {"bucket": 3}
+    trainer_side.send(Filled(id=3))
+    assert engine.expect(Filled, 3, "test") == Filled(id=3)
     t0 = time.monotonic()
     with pytest.raises(DoorbellError, match="no message from the trainer within timeout_s=1s"):
         engine.recv("silence")
@@ -218,23 +221,63 @@ def test_a_refusal_that_lands_while_the_poll_fails_wins_over_the_failure():
     try:
 
         def refused_then_failed() -> None:
-            engine_side.send(ready=1, ok=False, error="refused")
+            engine_side.send(Ready(id=1, verdict=Verdict.REFUSED, reason="refused"))
             time.sleep(0.1)  # the refusal is in the trainer's socket
             raise RuntimeError("update_weights failed")
 
-        msg = trainer_side.expect("ready", 1, "handshake", refused_then_failed)
-        assert msg == {"ready": 1, "ok": False, "error": "refused"}
+        msg = trainer_side.expect(Ready, 1, "handshake", refused_then_failed)
+        assert msg == Ready(id=1, verdict=Verdict.REFUSED, reason="refused")
         assert not trainer_side.broken
 
         def failed() -> None:
             raise RuntimeError("update_weights failed")
 
         with pytest.raises(RuntimeError, match="update_weights failed"):
-            trainer_side.expect("ready", 2, "handshake", failed)
+            trainer_side.expect(Ready, 2, "handshake", failed)
     finally:
         trainer_side.close()
         engine_side.close()
         listener.close()
+
+
+@pytest.mark.parametrize(
+    "line, problem",
+    [
+        (b"not json", "Invalid JSON"),
+        (b'{"kind": "ready", "id": 1, "verdict": 2}', "ready.verdict: Input should be 0 or 1"),
+        (b'{"kind": "done", "id": "1"}', "done.id: Input should be a valid integer"),
+        (b'{"kind": "done", "id": 1, "error": "x"}', "done.error: Extra inputs are not permitted"),
+        (b'{"kind": "hi"}', "does not match any of the expected tags: 'hello', 'welcome'"),
+    ],
+)
+def test_a_malformed_message_breaks_the_doorbell_saying_what_came(line, problem):
+    listener, trainer_side, engine_side = doorbell_pair(5.0)
+    try:
+        engine_side.sock.sendall(line + b"\n")
+        with pytest.raises(DoorbellError, match="malformed message from the engine") as e:
+            trainer_side.recv("update handshake")
+        assert str(e.value).startswith("update handshake: ") and problem in str(e.value)
+        assert repr(line) in str(e.value) and trainer_side.broken == str(e.value)
+    finally:
+        for d in (trainer_side, engine_side, listener):
+            d.close()
+
+
+def test_an_unexpected_id_or_an_abort_breaks_the_doorbell():
+    listener, trainer_side, engine_side = doorbell_pair(5.0)
+    try:
+        engine_side.send(Done(id=2))
+        with pytest.raises(
+            DoorbellError, match=r"ack: expected Done\(id=3\) from the engine, got Done\("
+        ):
+            trainer_side.expect(Done, 3, "ack")
+        trainer_side.send(Abort(reason="the trainer gave up"))
+        with pytest.raises(DoorbellError, match="wait: the trainer aborted: the trainer gave up"):
+            engine_side.expect(Filled, 0, "wait")
+        assert engine_side.broken
+    finally:
+        for d in (trainer_side, engine_side, listener):
+            d.close()
 
 
 @pytest.mark.parametrize("nbytes", [1000, (8 << 20) + 13, (40 << 20) + 7])

@@ -1,18 +1,23 @@
 """Host-local signalling between a colocated trainer and its engine workers: "bucket i is in
 buffer k" and "bucket i was copied out" (the weights travel through shared staging buffers).
-Newline-delimited JSON on a Unix stream socket in Linux's abstract namespace (no file to clean
-up); a dead peer shows at once as end-of-stream, a silent one after ``timeout_s``."""
+JSON lines (``ipc_messages``) on a Unix stream socket in Linux's abstract namespace (no file
+to clean up); a dead peer shows at once as end-of-stream, a silent one after ``timeout_s``."""
 
 from __future__ import annotations
 
-import json
 import secrets
 import select
 import socket
 import time
 from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from pydantic import ValidationError
+
+from vllm_ascend_rl.weight_transfer.ipc_messages import MESSAGE, Abort, Message
 
 Poll = Callable[[], None]
+M = TypeVar("M", bound=Message)
 
 
 class DoorbellError(RuntimeError):
@@ -41,14 +46,15 @@ class Doorbell:
             ) from e
         return cls(sock, timeout_s, "trainer")
 
-    def send(self, **msg) -> None:
+    def send(self, msg: Message) -> None:
         try:
-            self.sock.sendall(json.dumps(msg).encode() + b"\n")
+            self.sock.sendall(msg.model_dump_json().encode() + b"\n")
         except OSError as e:
             self._break(f"send to {self.peer} failed: {e}")
 
-    def recv(self, what: str, poll: Poll | None = None) -> dict:
-        """The next message, within ``timeout_s``; ``poll`` runs while waiting."""
+    def recv(self, what: str, poll: Poll | None = None) -> Message:
+        """The next message, within ``timeout_s``; ``poll`` runs while waiting. A malformed
+        message or an :class:`Abort` breaks the doorbell."""
         deadline = time.monotonic() + self.timeout_s
         while b"\n" not in self._buf:
             if self.broken:
@@ -81,16 +87,17 @@ class Doorbell:
                 self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         try:
-            msg = json.loads(line)
-        except ValueError:
-            self._break(f"{what}: malformed message from the {self.peer}: {line[:200]!r}")
-        if not isinstance(msg, dict):
-            self._break(f"{what}: malformed message from the {self.peer}: {msg!r}")
-        if "abort" in msg:
-            self._break(f"{what}: the {self.peer} aborted: {msg['abort']}")
+            msg = MESSAGE.validate_json(line)
+        except ValidationError as e:
+            problems = "; ".join(f"{'.'.join(map(str, p['loc']))}: {p['msg']}" for p in e.errors())
+            self._break(
+                f"{what}: malformed message from the {self.peer} ({problems}): {line[:200]!r}"
+            )
+        if isinstance(msg, Abort):
+            self._break(f"{what}: the {self.peer} aborted: {msg.reason}")
         return msg
 
-    def pending(self, what: str) -> dict | None:
+    def pending(self, what: str) -> Message | None:
         """The next message if one has already arrived (never waits), else None."""
         if b"\n" not in self._buf and not self._readable(0):
             return None
@@ -99,11 +106,12 @@ class Doorbell:
     def _readable(self, wait_s: float) -> bool:
         return bool(select.select([self.sock], [], [], wait_s)[0])
 
-    def expect(self, key: str, value, what: str, poll: Poll | None = None) -> dict:
-        """The next message, which must carry ``key=value``."""
+    def expect(self, kind: type[M], id: int | None, what: str, poll: Poll | None = None) -> M:
+        """The next message, which must be a ``kind`` (of update or bucket ``id``, if given)."""
         msg = self.recv(what, poll)
-        if msg.get(key) != value:
-            self._break(f"{what}: expected {key}={value!r} from the {self.peer}, got {msg}")
+        if not isinstance(msg, kind) or (id is not None and getattr(msg, "id", None) != id):
+            want = kind.__name__ if id is None else f"{kind.__name__}(id={id})"
+            self._break(f"{what}: expected {want} from the {self.peer}, got {msg!r}")
         return msg
 
     def peer_gone(self) -> str | None:
@@ -122,7 +130,7 @@ class Doorbell:
             return f"the connection to the {self.peer} failed: {e}"
         return None
 
-    def _break(self, reason: str):
+    def _break(self, reason: str) -> NoReturn:
         self.broken = reason
         raise DoorbellError(reason)
 

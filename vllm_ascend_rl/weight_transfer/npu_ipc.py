@@ -29,6 +29,7 @@ from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
 from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup, refused
+from vllm_ascend_rl.weight_transfer.ipc_messages import Done, Filled, Go, Hello, Ready, Welcome
 from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
 from vllm_ascend_rl.weight_transfer.wire import (
@@ -138,11 +139,11 @@ class AscendRLNPUIPCWeightTransferEngine(
 
     def _connect(self, info, rank: int, here: dict, address: str) -> Doorbell:
         doorbell = Doorbell.connect(address, info.timeout_s)
-        doorbell.send(hello=rank, wire=wire_signature(info, None), location=here)
+        doorbell.send(Hello(worker=rank, wire=wire_signature(info, None), location=here))
         try:
-            reply = doorbell.recv("init handshake")
-            if not reply.get("welcome"):
-                raise IpcHandleError(reply.get("error") or f"trainer refused us: {reply}")
+            refusal = doorbell.expect(Welcome, None, "init handshake").reason
+            if refusal is not None:
+                raise IpcHandleError(refusal)
         except Exception:
             doorbell.close()
             raise
@@ -168,12 +169,12 @@ class AscendRLNPUIPCWeightTransferEngine(
             except IpcHandleError as e:
                 verdict, reason = Verdict.REFUSED, str(e)
         self.doorbell.send(
-            ready=info.update_id, verdict=int(verdict), plan=plan_signature(plan), error=reason
+            Ready(id=info.update_id, verdict=verdict, plan=plan_signature(plan), reason=reason)
         )
         if verdict != Verdict.GO:
             raise refused(verdict, True, reason)
-        go = self.doorbell.expect("go", info.update_id, "update handshake")
-        refusal = refused(go["verdict"], True, go.get("reason") or "another worker refused it")
+        go = self.doorbell.expect(Go, info.update_id, "update handshake")
+        refusal = refused(go.verdict, True, go.reason or "another worker refused it")
         if refusal is not None:
             raise refusal
 
@@ -219,24 +220,24 @@ class AscendRLNPUIPCWeightTransferEngine(
         for bucket in plan:
             whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
             for start, n in pieces(bucket.nbytes, piece):
-                doorbell.expect("bucket", bucket.index, f"waiting for bucket {bucket.index}")
+                doorbell.expect(Filled, bucket.index, f"waiting for bucket {bucket.index}")
                 slot = ring[received % len(ring)]
                 received += 1
                 if whole is not None:
                     self.hw.copy_bytes(whole[start : start + n], slot.tensor[:n])
                     self.hw.synchronize()
-                    doorbell.send(done=bucket.index)
+                    doorbell.send(Done(id=bucket.index))
                 elif self.init_info.zero_copy:
                     # Load straight from the trainer's buffer; before handing it back, copy
                     # out only what layerwise reload still holds (tensors of incomplete layers).
                     yield bucket, slot.tensor[:n]
                     self._hand_back(slot)
-                    doorbell.send(done=bucket.index)
+                    doorbell.send(Done(id=bucket.index))
                 else:
                     out = self.session.pool.take(n)
                     self.hw.copy_bytes(out, slot.tensor[:n])
                     self.hw.synchronize()
-                    doorbell.send(done=bucket.index)
+                    doorbell.send(Done(id=bucket.index))
                     yield bucket, out
             if whole is not None:
                 yield bucket, whole

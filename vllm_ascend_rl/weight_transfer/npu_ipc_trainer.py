@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Self
 
+import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -34,6 +35,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError, current_device
 from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer import ipc_messages as msg
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -43,7 +45,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
+from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     AscendRLNPUIPCWeightTransferUpdateInfo,
@@ -77,25 +79,30 @@ def _release(ring: list[ExportedBuffer]) -> None:
     ring.clear()
 
 
-def welcome(doorbell: Doorbell, hello: dict, info, here: dict) -> bool:
-    """Answer a worker's hello; True (welcome) only if protocol, wire and chip match ours."""
-    error = None
-    if hello.get("wire") != wire_signature(info, None):
-        error = f"trainer and engine disagree on protocol or wire parameters: {hello}"
+def _open(buf: ExportedBuffer) -> torch.Tensor:
+    assert buf.tensor is not None, "a ring buffer is open until the ring is released"
+    return buf.tensor
+
+
+def welcome(doorbell: Doorbell, hello: msg.Hello, wire: int, here: dict[str, str]) -> bool:
+    """Answer a worker's hello; True (welcome) only if its wire signature and chip are ours."""
+    reason = None
+    if hello.wire != wire:
+        reason = f"trainer and engine disagree on protocol or wire parameters: {hello!r}"
     else:
         try:
-            check_same_location(here, hello.get("location") or {})
+            check_same_location(here, hello.location)
         except IpcHandleError as e:
-            error = f"engine worker {hello.get('hello')}: {e}"
-    doorbell.send(welcome=error is None, error=error)
-    return error is None
+            reason = f"engine worker {hello.worker}: {e}"
+    doorbell.send(msg.Welcome(reason=reason))
+    return reason is None
 
 
 class Acceptor:
     """Accepts connections on a rank's doorbell in a thread until stopped: engine workers
-    (``hello``) and, on the sender, the other trainer ranks (``peer``)."""
+    (:class:`Hello`) and, on the sender, the other trainer ranks (:class:`Peer`)."""
 
-    def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, dict], bool]):
+    def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, msg.Hello], bool]):
         self.listener, self.greet = listener, greet
         self.workers: list[Doorbell] = []
         self.peers: dict[int, Doorbell] = {}
@@ -109,14 +116,17 @@ class Acceptor:
             if doorbell is None:
                 continue
             try:
-                hello = doorbell.recv("init handshake")
-                if "peer" in hello:
-                    doorbell.send(welcome=True)
-                    self.peers[int(hello["peer"])] = doorbell
-                elif self.greet(doorbell, hello):
-                    self.workers.append(doorbell)
-                else:
-                    doorbell.close()
+                match doorbell.recv("init handshake"):
+                    case msg.Peer(rank=rank):
+                        doorbell.send(msg.Welcome())
+                        self.peers[rank] = doorbell
+                    case msg.Hello() as hello:
+                        if self.greet(doorbell, hello):
+                            self.workers.append(doorbell)
+                        else:
+                            doorbell.close()
+                    case other:
+                        raise DoorbellError(f"expected Hello or Peer, got {other!r}")
             except Exception as e:  # a bad connection must not stop the others
                 logger.warning("NPU-IPC doorbell: dropped a connection: %s", e)
                 doorbell.close()
@@ -132,7 +142,8 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     workers' doorbells; rank 0 also drives the update and coordinates the other ranks."""
 
     init_info_cls = NPUIPCTrainerInitInfo
-    alone_bytes = None  # a tensor larger than a bucket goes through the ring in pieces
+    alone_bytes: int | None = None  # a tensor larger than a bucket goes through the ring in pieces
+    source: WeightSource  # trainer_init requires one
 
     def __init__(
         self,
@@ -144,7 +155,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         super().__init__(client=client, source=source, is_sender=init_info.is_sender)
         self.init_info = init_info
         # Read once, here (the current device is per thread on NPU); a CPU rank emulates a chip.
-        self.hw = current_device(cpu_chip=init_info.rank)
+        self.hw = current_device()
         self.doorbells: list[Doorbell] = []  # this rank's engine workers
         self.peers: list[Doorbell] = []  # sender: the other ranks; others: the sender
         self.ring: list[ExportedBuffer] = []
@@ -167,9 +178,10 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         engine._connect()  # every rank: its ring's doorbell, and the sender's link
         return engine
 
-    def send_weights(self, weight_version: str | None = None) -> SyncResult:
+    # vLLM's returns None; Transport's attributes are read only (mypy checks them as settable)
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
         """Push the source into the engine (on every rank); ``weight_version`` tags outputs."""
-        return send_update(self, weight_version)
+        return send_update(self, weight_version)  # type: ignore[arg-type]
 
     # -- connection -------------------------------------------------------------------
     def _connect(self) -> None:
@@ -181,16 +193,18 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         if len(set(chips)) != len(chips):
             listener.close()
             raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
-        worker_info = AscendRLNPUIPCWeightTransferInitInfo(
+        # mypy sees no field of a wire_dataclass (a functools.partial, no dataclass_transform)
+        worker_info = AscendRLNPUIPCWeightTransferInitInfo(  # type: ignore[call-arg]
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
             zero_copy=info.zero_copy,
             trainer_id=trainer_id(),
             **wire_params(info),
         )
-        acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, worker_info, here))
+        wire = wire_signature(worker_info, None)
+        acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, wire, here))
         try:
             if self.is_sender:
-                self._connect_as_sender(acceptor, worker_info, len(ranks) - 1)
+                self._connect_as_sender(acceptor, asdict(worker_info), len(ranks) - 1)
             else:
                 sender = next(r for r in ranks if r["rank"] == 0)
                 self._connect_as_peer(acceptor, sender["doorbell"])
@@ -202,7 +216,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             raise
         self.doorbells = acceptor.workers
 
-    def _connect_as_sender(self, acceptor: Acceptor, worker_info, num_peers: int) -> None:
+    def _connect_as_sender(self, acceptor: Acceptor, init_body: dict, num_peers: int) -> None:
         timeout_s = self.init_info.timeout_s
         deadline = time.monotonic() + timeout_s
         while len(acceptor.peers) < num_peers:  # the other ranks connect right after the gather
@@ -213,18 +227,16 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                 )
             time.sleep(0.05)
         init_call = BackgroundCall(
-            "init_weight_transfer_engine",
-            self.client.init_weight_transfer_engine,
-            asdict(worker_info),
+            "init_weight_transfer_engine", self.client.init_weight_transfer_engine, init_body
         )
-        failure = init_call.failure(None)  # every worker said hello inside the call
+        failure = init_call.failure(None)  # type: ignore[arg-type]  # workers say hello inside
         acceptor.stop()
         self.peers = [acceptor.peers[r] for r in sorted(acceptor.peers)]
         counts = [len(acceptor.workers)]
         for peer in self.peers:
-            peer.send(init=failure is None, error=failure)
+            peer.send(msg.Init(reason=failure))
             if failure is None:
-                counts.append(int(peer.expect("workers", True, "init handshake")["count"]))
+                counts.append(peer.expect(msg.Workers, None, "init handshake").count)
         if failure is not None:
             raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
         if not sum(counts):
@@ -233,13 +245,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def _connect_as_peer(self, acceptor: Acceptor, sender_address: str) -> None:
         sender = Doorbell.connect(sender_address, self.init_info.timeout_s)
         self.peers = [sender]
-        sender.send(peer=self.init_info.rank, chip=self.chip)
-        sender.expect("welcome", True, "joining the sender")
-        done = sender.recv("waiting for the engine's init")
+        sender.send(msg.Peer(rank=self.init_info.rank))
+        sender.expect(msg.Welcome, None, "joining the sender")
+        init = sender.expect(msg.Init, None, "waiting for the engine's init")
         acceptor.stop()
-        if not done.get("init"):
-            raise WeightSyncError(f"init_weight_transfer_engine failed: {done.get('error')}")
-        sender.send(workers=True, count=len(acceptor.workers))
+        if init.reason is not None:
+            raise WeightSyncError(f"init_weight_transfer_engine failed: {init.reason}")
+        sender.send(msg.Workers(count=len(acceptor.workers)))
 
     # -- one update: the sender's steps (send_update) ----------------------------------
     def not_ready(self) -> str | None:
@@ -250,11 +262,11 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
         self.update_id += 1
         for peer in self.peers:
-            peer.send(update=self.update_id)
+            peer.send(msg.Update(id=self.update_id))
         rings = {self.chip: self._ring_handles(plan)}
         for peer in self.peers:
-            reply = peer.expect("ring", self.update_id, "collecting the ranks' rings")
-            rings[reply["chip"]] = reply["handles"]
+            ring = peer.expect(msg.Ring, self.update_id, "collecting the ranks' rings")
+            rings[ring.chip] = ring.handles
         return {
             **AscendRLNPUIPCWeightTransferUpdateInfo.fields_from_specs(specs),
             "buffers": rings,
@@ -263,24 +275,25 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
 
     def cancel(self, reason: str) -> None:
         for peer in self.peers:
-            peer.send(cancel=self.update_id, reason=reason)
+            peer.send(msg.Cancel(id=self.update_id, reason=reason))
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
         replies = self._ready(plan, update.raise_if_failed)
         # No poll on the update call here: a worker that refused fails it at once, and the
         # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
-        verdicts = [p.expect("ready", self.update_id, "update handshake") for p in self.peers]
+        verdicts = [p.expect(msg.Ready, self.update_id, "update handshake") for p in self.peers]
         verdict, reason = _lowest([*replies, *verdicts])
+        go = msg.Go(id=self.update_id, verdict=verdict, reason=reason)
         for peer in self.peers:
-            peer.send(go=self.update_id, verdict=int(verdict), reason=reason)
-        self._go(replies, verdict, reason)
+            peer.send(go)
+        self._go(replies, go)
         return verdict
 
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         poll = update.raise_if_failed
         self._stream(plan, pairs, poll)
         for peer in self.peers:
-            peer.expect("sent", self.update_id, "waiting for the other trainer ranks", poll)
+            peer.expect(msg.Sent, self.update_id, "waiting for the other trainer ranks", poll)
 
     def succeeded(self) -> None:
         for buf in self.ring:  # every worker has mapped them: take the names off /dev/shm
@@ -289,13 +302,15 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def abort(self) -> None:
         for d in [*self.doorbells, *self.peers]:
             try:
-                d.send(abort="the trainer gave up this update")
+                d.send(msg.Abort(reason="the trainer gave up this update"))
             except Exception:  # already gone
                 pass
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        """Answer the sender: its update with this rank's ring, then with its workers' lowest
+        verdict; its verdict goes on to them, and on go, the buckets."""
         reason = self.not_ready()
         if reason:
             raise WeightSyncError(
@@ -303,20 +318,21 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         sender = self.peers[0]
         try:
-            msg = sender.recv("waiting for the sender's next update")
-            if "update" not in msg:
-                raise WeightSyncError(f"unexpected message from the sender: {msg}")
-            self.update_id = int(msg["update"])
-            sender.send(ring=self.update_id, chip=self.chip, handles=self._ring_handles(plan))
+            match sender.recv("waiting for the sender's next update"):
+                case msg.Update(id=update_id):
+                    self.update_id = update_id
+                case other:
+                    raise WeightSyncError(f"unexpected message from the sender: {other!r}")
+            sender.send(msg.Ring(id=update_id, chip=self.chip, handles=self._ring_handles(plan)))
             replies = self._ready(plan, self._watch)
             verdict, reason = _lowest(replies)
-            sender.send(ready=self.update_id, verdict=int(verdict), error=reason)
-            go = sender.expect("go", self.update_id, "waiting for the sender's verdict")
-            self._go(replies, Verdict(go["verdict"]), go.get("reason"))
-            if go["verdict"] != Verdict.GO:
+            sender.send(msg.Ready(id=update_id, verdict=verdict, reason=reason))
+            go = sender.expect(msg.Go, update_id, "waiting for the sender's verdict")
+            self._go(replies, go)
+            if go.verdict != Verdict.GO:
                 return
             self._stream(plan, iter(self.source), self._watch)
-            sender.send(sent=self.update_id)
+            sender.send(msg.Sent(id=update_id))
         except _Cancelled:
             return
         except BaseException:
@@ -325,16 +341,18 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
 
     def _watch(self) -> None:
         """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""
-        msg = self.peers[0].pending("watching the sender")
-        if msg is not None and "cancel" in msg:
-            raise _Cancelled(msg.get("reason"))
-        if msg is not None:
-            raise WeightSyncError(f"unexpected message from the sender: {msg}")
+        match self.peers[0].pending("watching the sender"):
+            case msg.Cancel(reason=reason):
+                raise _Cancelled(reason)
+            case None:
+                return
+            case other:
+                raise WeightSyncError(f"unexpected message from the sender: {other!r}")
 
     # -- shared by every rank -------------------------------------------------------------
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
         need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
-        if not self.ring or self.ring[0].tensor.numel() < need:
+        if not self.ring or _open(self.ring[0]).numel() < need:
             _release(self.ring)  # exported once; replaced only if a bucket outgrows it
             self.ring.extend(
                 self.hw.create_ipc_buffer(max(need, 1))
@@ -342,40 +360,40 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         return [b.handle for b in self.ring]
 
-    def _ready(self, plan: list[Bucket], poll: Poll) -> list[dict]:
+    def _ready(self, plan: list[Bucket], poll: Poll) -> list[msg.Ready]:
         """This rank's workers' verdicts; one that planned otherwise refuses."""
         replies = [
-            d.expect("ready", self.update_id, "update handshake", poll) for d in self.doorbells
+            d.expect(msg.Ready, self.update_id, "update handshake", poll) for d in self.doorbells
         ]
         sig = plan_signature(plan)
-        for r in replies:
-            if r.get("verdict") == Verdict.GO and r.get("plan") != sig:
-                r.update(verdict=int(Verdict.REFUSED), error="the worker planned other buckets")
-        return replies
+        planned_other = msg.Ready(
+            id=self.update_id, verdict=Verdict.REFUSED, reason="the worker planned other buckets"
+        )
+        return [planned_other if r.verdict == Verdict.GO and r.plan != sig else r for r in replies]
 
-    def _go(self, replies: list[dict], verdict: Verdict, reason: str | None) -> None:
+    def _go(self, replies: list[msg.Ready], go: msg.Go) -> None:
         for d, r in zip(self.doorbells, replies, strict=True):
-            if r.get("verdict") == Verdict.GO:  # a worker that refused waits for no verdict
-                d.send(go=self.update_id, verdict=int(verdict), reason=reason)
+            if r.verdict == Verdict.GO:  # a worker that refused waits for no verdict
+                d.send(go)
 
-    def _stream(self, plan: list[Bucket], pairs, poll: Poll) -> None:
+    def _stream(self, plan: list[Bucket], pairs: Pairs, poll: Poll) -> None:
         """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
         rank's workers; a slot is refilled only once every worker acknowledged it."""
-        ring, piece = self.ring, self.init_info.packed_buffer_size_bytes
+        ring, piece = [_open(b) for b in self.ring], self.init_info.packed_buffer_size_bytes
         unacknowledged: deque[int] = deque()  # bucket index of each piece, oldest first
         sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it
 
         def acknowledged() -> None:
             index = unacknowledged.popleft()
             for d in self.doorbells:
-                d.expect("done", index, f"bucket {index} acknowledgement", poll)
+                d.expect(msg.Done, index, f"bucket {index} acknowledgement", poll)
 
         for bucket, tensors in iter_bucket_tensors(plan, pairs):
             whole = as_bytes(tensors[0]) if bucket.nbytes > piece else None
             for start, n in pieces(bucket.nbytes, piece):
                 if len(unacknowledged) == len(ring):  # the next slot's piece is still read
                     acknowledged()
-                slot = ring[sent % len(ring)].tensor[:n]
+                slot = ring[sent % len(ring)][:n]
                 sent += 1
                 if whole is None:
                     pack_into(slot, bucket, tensors, self.hw.copy_bytes)
@@ -383,7 +401,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                     self.hw.copy_bytes(slot, whole[start : start + n])
                 self.hw.synchronize()  # the engine reads it from another process
                 for d in self.doorbells:
-                    d.send(bucket=bucket.index)
+                    d.send(msg.Filled(id=bucket.index))
                 unacknowledged.append(bucket.index)
         while unacknowledged:
             acknowledged()
@@ -399,8 +417,8 @@ class _Cancelled(Exception):
     """The sender cancelled this update before any engine worker saw it."""
 
 
-def _lowest(replies: list[dict]) -> tuple[Verdict, str | None]:
+def _lowest(replies: list[msg.Ready]) -> tuple[Verdict, str | None]:
     """The lowest verdict among ``replies`` and the first refusal's reason."""
-    verdict = min((Verdict(r["verdict"]) for r in replies), default=Verdict.GO)
-    reason = next((r.get("error") for r in replies if r["verdict"] != Verdict.GO), None)
+    verdict = min((r.verdict for r in replies), default=Verdict.GO)
+    reason = next((r.reason for r in replies if r.verdict != Verdict.GO), None)
     return verdict, reason
