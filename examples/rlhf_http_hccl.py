@@ -9,12 +9,17 @@ their KV cache, stale after the update, is dropped), the weights are broadcast, 
 resumes: every request recomputes its context and continues on the new weights. A reference
 server on k+1 must then reproduce each continuation exactly, greedily, from prompt + the tokens
 generated before the pause. One row per step. A training step that fails ends the run with its
-error before anything is sent; without a reference (your own server) the steps run but are
-reported as not validated.
+error before anything is sent. Against your own servers a step is validated only with a
+reference (``--reference-url``) on the weights it trains to (``--train-checkpoints``); otherwise
+the steps run and are reported as not validated.
 
     python examples/rlhf_http_hccl.py          # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_hccl.py --server-url http://engine:8000 --model /path/to/hf \\
         --device npu --master-address <this host's IP>
+
+    # your servers, validated: the engine on V1, the reference on V2; the steps load V2, V3
+    python examples/rlhf_http_hccl.py --server-url http://engine:8000 --model V1 \\
+        --reference-url http://reference:8000 --train-checkpoints V2 V3
 
 (Set-up that is not the point, the tiny checkpoints and the servers, is in plumbing/rl_demo.py.)
 """
@@ -78,6 +83,7 @@ def main() -> int:
             pause_ms = (time.perf_counter() - t0) * 1e3
             split = rl_demo.settled_counts(streams)  # tokens each request had on weights k
             result = trainer.send_weights(weight_version=f"v{k + 1}")
+            resumed_at = [s.num_tokens for s in streams]  # nothing generated while paused
             ctl.resume()
             for s in streams:
                 s.join(600)
@@ -92,7 +98,9 @@ def main() -> int:
                     for s, n in zip(streams, split, strict=True)
                 ]
             )
-            all_ok &= rl_demo.report(k, streams, split, pause_ms, result, matches, args.max_tokens)
+            all_ok &= rl_demo.report(
+                k, streams, split, resumed_at, pause_ms, result, matches, args.max_tokens
+            )
             validated += matches is not None
         trainer.shutdown()
         training_thread.shutdown()

@@ -5,18 +5,23 @@ the engine sleeps while the trainer trains.
 The engine is a vLLM server on the trainer's chip, started with ``--weight-transfer-config
 '{"backend": "ascend_rl_npu_ipc"}'``, the plugin scheduler and the device's sleepable worker
 (``--worker-cls vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker``; on CPU, where shared
-memory stands in for NPU IPC, ``...cpu_worker.SleepableCPUWorker``). Each step streams requests
+memory stands in for NPU IPC, ``...cpu.worker.SleepableCPUWorker``). Each step streams requests
 on weights k; once each has a few tokens, ``/sleep?level=2&mode=keep`` pauses them and gives
 the KV cache and the weights back; the trainer trains (here: loads checkpoint k+1); the engine
 wakes its weights, the trainer syncs them, the engine wakes its KV cache, and ``/resume`` lets
 every request continue on the new weights. A reference server on k+1 must reproduce each
 continuation exactly from prompt + the tokens before the pause. One row per step. A training
-step that fails ends the run with its error (the engine stays asleep); without a reference (your
-own server) the steps run but are reported as not validated.
+step that fails ends the run with its error (the engine stays asleep). Against your own servers
+a step is validated only with a reference (``--reference-url``) on the weights it trains to
+(``--train-checkpoints``); otherwise the steps run and are reported as not validated.
 
     python examples/rlhf_http_npu_ipc.py       # CPU: tiny checkpoints, servers built here
     python examples/rlhf_http_npu_ipc.py --server-url http://localhost:8000 \\
         --model /path/to/hf --device npu
+
+    # your servers, validated: the engine on V1, the reference on V2; the steps load V2, V3
+    python examples/rlhf_http_npu_ipc.py --server-url http://localhost:8000 --model V1 \\
+        --reference-url http://localhost:8001 --train-checkpoints V2 V3
 
 (Set-up that is not the point, the tiny checkpoints and the servers, is in plumbing/rl_demo.py.)
 """
@@ -68,6 +73,7 @@ def main() -> int:
             ctl.wake_up(["weights"])
             result = trainer.send_weights(weight_version=f"v{k + 1}")
             ctl.wake_up(["kv_cache"])
+            resumed_at = [s.num_tokens for s in streams]  # nothing generated while paused
             ctl.resume()  # a wake keeps the pause taken by the sleep
             for s in streams:
                 s.join(600)
@@ -82,7 +88,9 @@ def main() -> int:
                     for s, n in zip(streams, split, strict=True)
                 ]
             )
-            all_ok &= rl_demo.report(k, streams, split, sleep_ms, result, matches, args.max_tokens)
+            all_ok &= rl_demo.report(
+                k, streams, split, resumed_at, sleep_ms, result, matches, args.max_tokens
+            )
             validated += matches is not None
         trainer.shutdown()
     return rl_demo.conclude(all_ok, validated, args.steps)

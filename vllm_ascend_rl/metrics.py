@@ -1,4 +1,4 @@
-"""The plugin's figures as Prometheus counters (docs/metrics.md).
+"""The plugin's figures as Prometheus counters (docs/operations.md#metrics).
 
 Each process keeps its own counters (:func:`record`). A trainer exposes its counters with
 :func:`register_trainer_metrics`, in a registry it already serves. Engine workers run in

@@ -4,12 +4,13 @@ not the point of them.
 With no ``--server-url`` the examples run by themselves (on CPU; on an Ascend host on NPUs, each
 server on chips of its own): tiny random-weight checkpoints v1..v(steps+1), a vLLM server on v1
 (the engine) and one on v2 (the reference, used only to validate, reloaded to each new
-checkpoint). The "training step" loads the next checkpoint, or, against your own server,
-perturbs the weights as a stand-in for an optimizer step; either runs on the device the trainer
-sends from (an NPU-IPC trainer on its engine's chip, an HCCL one on a chip of its own). Without
-a reference holding the trainer's weights a step is run but not validated, and the examples say
-so. Everything else an RL loop does is in the example files themselves. The servers, the
-checkpoints and the stream client are the rest of this package.
+checkpoint). The "training step" loads the next checkpoint, or, against your own server, the
+next of ``--train-checkpoints``, or else perturbs the weights as a stand-in for an optimizer
+step; each runs on the device the trainer sends from (an NPU-IPC trainer on its engine's chip,
+an HCCL one on a chip of its own). Without a reference holding the trainer's weights a step is
+run but not validated, and the examples say so. Everything else an RL loop does is in the
+example files themselves. The servers, the checkpoints and the stream client are the rest of
+this package.
 """
 
 from __future__ import annotations
@@ -53,12 +54,26 @@ def parse_args(description: str) -> argparse.Namespace:
     ap.add_argument("--reference-url", help="server to validate continuations against")
     ap.add_argument("--model", help="HF checkpoint the trainer holds (with --server-url)")
     ap.add_argument("--model-name", default="tiny", help="served model name")
+    ap.add_argument(
+        "--train-checkpoints",
+        nargs="+",
+        metavar="CHECKPOINT",
+        help="with --server-url: what the training steps load in turn, instead of perturbing "
+        "the weights, so that a --reference-url server on the first validates every step (it "
+        "is reloaded to each next one)",
+    )
     ap.add_argument("--device", choices=["cpu", "npu"], help="trainer device (default: auto)")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, help="default: 3, or one per --train-checkpoints")
     ap.add_argument("--max-tokens", type=int, default=400)
     ap.add_argument("--min-tokens", type=int, default=8, help="per request, before the pause")
     ap.add_argument("--master-address", default="127.0.0.1", help="trainer address (HCCL)")
     args = ap.parse_args()
+    if args.train_checkpoints and not args.server_url:
+        ap.error("--train-checkpoints goes with --server-url (without, the example builds them)")
+    if args.steps is None:
+        args.steps = len(args.train_checkpoints) if args.train_checkpoints else 3
+    if args.train_checkpoints and args.steps > len(args.train_checkpoints):
+        ap.error(f"--steps {args.steps}: only {len(args.train_checkpoints)} --train-checkpoints")
     if args.device:
         os.environ["VLLM_ASCEND_RL_DEVICE"] = args.device
     return args
@@ -112,7 +127,8 @@ def demo(args: argparse.Namespace, backend: str, *, sleepable: bool = False) -> 
         if not args.model:
             raise SystemExit("--server-url needs --model (the checkpoint the trainer holds)")
         model = load_hf_model(args.model).to(trainer_device())
-        yield Demo(args.server_url, Policy(model, None), args.reference_url)
+        trained = [None, args.model, *args.train_checkpoints] if args.train_checkpoints else None
+        yield Demo(args.server_url, Policy(model, trained), args.reference_url)
         return
     checkpoints = [None] + [
         build_tiny_model(TinyModelSpec(seed=k)) for k in range(1, args.steps + 2)
@@ -204,14 +220,24 @@ def report(
     k: int,
     streams: list[StreamingCompletion],
     split: list[int],
+    resumed_at: list[int],
     pause_ms: float,
     result,
     matches: list[bool] | None,
     max_tokens: int,
 ) -> bool:
-    """Print step ``k``'s row; True if every request ran to ``max_tokens`` and every
-    continuation matched (``matches=None``: nothing to validate against)."""
+    """Print step ``k``'s row; True if every request had tokens when paused (``split``), got
+    none while paused (``resumed_at``: its count just before the resume), ran to
+    ``max_tokens``, and every continuation matched (``matches=None``: nothing to validate
+    against)."""
     problems = [
+        f"request {i}: {n} tokens at the pause, not mid-generation"
+        for i, n in enumerate(split)
+        if not 0 < n < max_tokens
+    ]
+    if resumed_at != split:
+        problems.append(f"tokens arrived while paused: {split} at the pause, {resumed_at} after")
+    problems += [
         f"request {i}: {s.finish_reason}, {s.num_tokens} tokens, {s.error}"
         for i, s in enumerate(streams)
         if not s.ok or s.num_tokens != max_tokens

@@ -29,8 +29,8 @@ from vllm_ascend_rl.client import EngineControlClient
 PROBE = "Weights under test:"
 UNKNOWN = "model.norm.weight_unknown"
 SMALL_BUCKET = 64 << 10  # smaller than the largest tensor (embed/lm_head: 512 x 128 bf16)
+# The default packed wire is the examples' (tests/e2e/test_examples.py runs them, validated).
 WIRES = {
-    "packed": {"packed": True},
     "unpacked": {"packed": False},
     "small_bucket": {
         "packed": True,
