@@ -30,9 +30,11 @@ $(STAMP): setup.py pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python examples/rlhf_http_hccl.py
 
+# mypy (settings: pyproject.toml) on the packages in which every function must be typed.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy vllm_ascend_rl/weight_transfer vllm_ascend_rl/device
 
 # Each runs on one release only, for the CI budget: the Ray example (80 s) on the default one,
 # as the AsyncLLM methods it calls are the ones the HTTP routes call, which both legs test;
@@ -57,7 +59,7 @@ e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e
 
 clean:
-	rm -rf .venv .venv-vllm-* build *.egg-info .pytest_cache .ruff_cache
+	rm -rf .venv .venv-vllm-* build *.egg-info .pytest_cache .ruff_cache .mypy_cache
 
 # The benchmarks use the test kit (tests/support, and examples/plumbing through it), which is
 # not installed: PYTHONPATH=.

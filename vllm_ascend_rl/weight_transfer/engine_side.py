@@ -60,10 +60,8 @@ def engine_setup(engine: Any, device: torch.device, backend: str) -> tuple[Devic
 def check_init(vllm_config: Any, wire: WireParams) -> None:
     """Refuse, before any rendezvous, ``hold`` without the plugin scheduler (it refuses
     ``/resume`` while the weights are not whole)."""
-    from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
-
     scheduler = vllm_config.scheduler_config.get_scheduler_cls()
-    if wire.on_failure == "hold" and not issubclass(scheduler, RecomputeScheduler):
+    if wire.on_failure == "hold" and not getattr(scheduler, "refuses_resume_when_not_whole", False):
         raise ValueError(
             f"on_failure='hold' needs the plugin scheduler to refuse /resume while the weights "
             f"are not whole (this engine runs {scheduler.__name__}): start it with "

@@ -7,7 +7,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Annotated, ClassVar
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 from pydantic import Field
@@ -40,6 +41,11 @@ from vllm_ascend_rl.weight_transfer.wire import (
     wire_dataclass,
     wire_signature,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = get_logger(__name__)
 
@@ -94,7 +100,13 @@ class AscendRLHCCLWeightTransferEngine(
     shutdown = engine_side.shutdown
     release_buffers = engine_side.release_buffers
 
-    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.hw, self.session = engine_setup(self, device, HCCL_BACKEND)
         self.lock = threading.RLock()  # see owner.py
@@ -118,7 +130,9 @@ class AscendRLHCCLWeightTransferEngine(
             owner = claim(self, init_info)
         serve(self, owner, lambda deadline: self._connect(init_info, rank, deadline))
 
-    def _connect(self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float):
+    def _connect(
+        self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float
+    ) -> BroadcastChannel:
         """The rendezvous and the init handshake, both before ``deadline`` (owner's thread)."""
         channel = BroadcastChannel.open(
             self.hw,
@@ -159,8 +173,15 @@ class AscendRLHCCLWeightTransferEngine(
     def peer_gone(self) -> str | None:
         return None if self.channel is None else self.channel.peer_gone()
 
-    def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info=None) -> None:
+    def agree(
+        self,
+        verdict: Verdict,
+        reason: str | None,
+        plan: list[Bucket],
+        info: AscendRLHCCLWeightTransferUpdateInfo | None = None,
+    ) -> None:
         """The update handshake; raises unless every rank goes ahead with the same plan."""
+        assert self.channel is not None  # receive_weights: require_up()
         try:
             outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
         except ChannelError as e:
@@ -172,9 +193,10 @@ class AscendRLHCCLWeightTransferEngine(
         if refusal is not None:
             raise refusal
 
-    def buckets(self, plan: list[Bucket]):
+    def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Buckets i+1.. are in flight while bucket i loads. A larger bucket (one tensor) comes
         in bucket-sized pieces assembled in host memory: no device buffer exceeds a bucket."""
+        assert self.init_info is not None and self.channel is not None  # as in agree
         depth, piece = self.init_info.packed_num_buffers, self.init_info.packed_buffer_size_bytes
         in_flight: deque = deque()
         for bucket in plan:
@@ -188,7 +210,10 @@ class AscendRLHCCLWeightTransferEngine(
         while in_flight:
             yield from self._landed(*in_flight.popleft())
 
-    def _landed(self, bucket: Bucket, buf: torch.Tensor, work, whole, start: int):
+    def _landed(
+        self, bucket: Bucket, buf: torch.Tensor, work: Work, whole: torch.Tensor | None, start: int
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        assert self.channel is not None  # as in agree
         self.channel.wait(work, f"receiving bucket {bucket.index}")
         if whole is None:
             yield bucket, buf

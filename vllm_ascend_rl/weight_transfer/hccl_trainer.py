@@ -48,6 +48,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
 
     init_info_cls = HCCLTrainerInitInfo
     alone_bytes = DIRECT_BYTES
+    source: WeightSource  # never None: trainer_init refuses a missing source
 
     def __init__(
         self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: HCCLTrainerInitInfo
@@ -75,7 +76,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             engine.channel = engine._connect()
         return engine
 
-    def send_weights(self, weight_version: str | None = None) -> SyncResult:
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
         """Push the source's weights into the engine; ``weight_version`` tags later outputs."""
         return send_update(self, weight_version)
 
@@ -147,6 +148,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
+        assert self.channel is not None  # send_update checked not_ready()
         lowest, same = self.channel.agree(
             Verdict.GO, plan_signature(plan), "update handshake", update.raise_if_failed
         )
@@ -157,6 +159,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
         piece = self.init_info.packed_buffer_size_bytes
+        assert channel is not None  # send_update checked not_ready()
         need = max((b.nbytes for b in plan if not b.oversized), default=0)
         if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
             self._staging = [

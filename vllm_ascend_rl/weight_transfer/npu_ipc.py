@@ -11,8 +11,9 @@ acknowledges. Handles are JSON fields of ``update_weights``, never pickled (no
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import field
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, cast
 
 import torch
 from pydantic import Field
@@ -32,6 +33,7 @@ from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup,
 from vllm_ascend_rl.weight_transfer.ipc_messages import Done, Filled, Go, Hello, Ready, Welcome
 from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
+from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,
     CheckpointUpdateInfo,
@@ -43,6 +45,10 @@ from vllm_ascend_rl.weight_transfer.wire import (
     wire_dataclass,
     wire_signature,
 )
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = get_logger(__name__)
 
@@ -104,7 +110,13 @@ class AscendRLNPUIPCWeightTransferEngine(
     shutdown = engine_side.shutdown
     release_buffers = engine_side.release_buffers
 
-    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
         super().__init__(config, vllm_config, device, model)
         self.hw, self.session = engine_setup(self, device, NPU_IPC_BACKEND)
         self.lock = threading.RLock()  # see owner.py
@@ -137,7 +149,9 @@ class AscendRLNPUIPCWeightTransferEngine(
             self.doorbell, owner.state = doorbell, OwnerState.UP
         serve(self, owner)
 
-    def _connect(self, info, rank: int, here: dict, address: str) -> Doorbell:
+    def _connect(
+        self, info: AscendRLNPUIPCWeightTransferInitInfo, rank: int, here: dict, address: str
+    ) -> Doorbell:
         doorbell = Doorbell.connect(address, info.timeout_s)
         doorbell.send(Hello(worker=rank, wire=wire_signature(info, None), location=here))
         try:
@@ -160,7 +174,13 @@ class AscendRLNPUIPCWeightTransferEngine(
     def peer_gone(self) -> str | None:
         return None if self.doorbell is None else self.doorbell.peer_gone()
 
-    def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info) -> None:
+    def agree(
+        self,
+        verdict: Verdict,
+        reason: str | None,
+        plan: list[Bucket],
+        info: AscendRLNPUIPCWeightTransferUpdateInfo,
+    ) -> None:
         """The update handshake over the doorbell: this worker's verdict (after mapping the
         ring) and plan go to its trainer rank, which answers with everyone's verdict."""
         if verdict == Verdict.GO:
@@ -168,11 +188,12 @@ class AscendRLNPUIPCWeightTransferEngine(
                 self._map(info.buffers, plan)
             except IpcHandleError as e:
                 verdict, reason = Verdict.REFUSED, str(e)
+        assert self.doorbell is not None  # receive_weights: require_up()
         self.doorbell.send(
             Ready(id=info.update_id, verdict=verdict, plan=plan_signature(plan), reason=reason)
         )
         if verdict != Verdict.GO:
-            raise refused(verdict, True, reason)
+            raise cast(WeightUpdateRefused, refused(verdict, True, reason))  # never None: not GO
         go = self.doorbell.expect(Go, info.update_id, "update handshake")
         refusal = refused(go.verdict, True, go.reason or "another worker refused it")
         if refusal is not None:
@@ -200,21 +221,24 @@ class AscendRLNPUIPCWeightTransferEngine(
         for h in handles:
             if h["id"] not in self._mapped:
                 mapped = self._mapped[h["id"]] = self.hw.open_ipc_buffer(h)
+                assert mapped.tensor is not None  # just opened
                 self._idle[id(mapped)] = storage_use_count(mapped.tensor)
             ring.append(self._mapped[h["id"]])
         for stale in set(self._mapped) - {h["id"] for h in handles}:
             mapped = self._mapped.pop(stale)
             self._idle.pop(id(mapped), None)
             mapped.close()
+        assert self.init_info is not None  # receive_weights: require_up()
         need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
-        small = min(b.tensor.numel() for b in ring)
+        small = min(cast(torch.Tensor, b.tensor).numel() for b in ring)  # open: just mapped
         if small < need:
             raise IpcHandleError(f"staging buffers hold {small} bytes but a bucket needs {need}")
         self._ring = ring
 
-    def buckets(self, plan: list[Bucket]):
+    def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Piece k of the update is in slot k % len(ring); a bucket larger than a slot (one
         tensor) arrives in slot-sized pieces, assembled in host memory."""
+        assert self.doorbell is not None and self.init_info is not None  # as in agree
         doorbell, ring, piece = self.doorbell, self._ring, self.init_info.packed_buffer_size_bytes
         received = 0
         for bucket in plan:
@@ -222,6 +246,7 @@ class AscendRLNPUIPCWeightTransferEngine(
             for start, n in pieces(bucket.nbytes, piece):
                 doorbell.expect(Filled, bucket.index, f"waiting for bucket {bucket.index}")
                 slot = ring[received % len(ring)]
+                assert slot.tensor is not None  # mapped in agree
                 received += 1
                 if whole is not None:
                     self.hw.copy_bytes(whole[start : start + n], slot.tensor[:n])
@@ -244,6 +269,7 @@ class AscendRLNPUIPCWeightTransferEngine(
 
     def _hand_back(self, staging: ImportedBuffer) -> None:
         """A zero-copy bucket is loaded: nothing may still refer to the trainer's buffer."""
+        assert staging.tensor is not None  # mapped in agree
         self.session.reload.evacuate(staging.tensor)
         self.hw.synchronize()
         if storage_use_count(staging.tensor) != self._idle[id(staging)]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +29,10 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes, unpack_views
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+    from vllm.config import ModelConfig
 
 logger = get_logger(__name__)
 
@@ -86,8 +91,13 @@ class UpdateSession:
     backup, receive pool, forward guard); each public method is an event."""
 
     def __init__(
-        self, model: torch.nn.Module, model_config, hw: Device, workers_on_host: int, backend: str
-    ):
+        self,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        hw: Device,
+        workers_on_host: int,
+        backend: str,
+    ) -> None:
         self.model, self.model_config, self.hw = model, model_config, hw
         self.workers_on_host, self.backend = workers_on_host, backend
         self.state = State.IDLE
@@ -98,7 +108,7 @@ class UpdateSession:
         self.cancelled: str | None = None  # why the open update was cancelled
         self.moved = {"bytes": 0.0, "transport": 0.0, "load": 0.0}  # this update's figures
         self.mixed: str | None = None  # hold: why the weights are not whole
-        self._guard = None
+        self._guard: RemovableHandle | None = None
         # Until then a failed collective may be queued: no device-wide sync (hccl.disconnect).
         self.device_busy_until = 0.0
 
@@ -154,7 +164,7 @@ class UpdateSession:
 
         started = time.perf_counter()
         with disable_mtp_completeness_check():
-            self.model.load_weights(unpack_views(buf, bucket))
+            self.model.load_weights(unpack_views(buf, bucket))  # type: ignore[operator]  # torch stubs: Module.__getattr__
         self.moved["load"] += time.perf_counter() - started
         self.moved["transport"] += waited_s
         self.moved["bytes"] += total_bytes(bucket.specs)  # the weights, not the padding
@@ -272,7 +282,7 @@ class UpdateSession:
             self._guard.remove()
             self._guard = None
 
-    def _forward(self, module, args) -> None:
+    def _forward(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         """Forward pre-hook: cancel an open update (no token from half-loaded layers); refuse
         to run on weights that are not whole."""
         if self.state in (State.OPEN, State.RECEIVED):
@@ -283,9 +293,3 @@ class UpdateSession:
             )
         if self.mixed:
             raise RuntimeError(f"refusing to run the model: {self.mixed}")
-
-
-def weights_not_whole(worker) -> str | None:
-    """Run on a worker (``collective_rpc``): why its weights must not run now, or None."""
-    session = getattr(getattr(worker, "weight_transfer_engine", None), "session", None)
-    return session.not_whole() if isinstance(session, UpdateSession) else None

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
@@ -20,7 +20,11 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
-from vllm_ascend_rl.weight_transfer.wire import Verdict, WireParams, plan_for
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
+
+if TYPE_CHECKING:
+    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
+    from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
 
 logger = get_logger(__name__)
 Pairs = Iterator[tuple[str, Any]]
@@ -143,11 +147,15 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
 class Transport(Protocol):
     """One trainer engine's transport, as :func:`send_update` drives it."""
 
-    init_info: WireParams
     client: VLLMWeightSyncClient
     source: WeightSource
     is_sender: bool
-    alone_bytes: int | None  # see plan_for
+
+    @property
+    def init_info(self) -> HCCLTrainerInitInfo | NPUIPCTrainerInitInfo: ...
+
+    @property
+    def alone_bytes(self) -> int | None: ...  # see plan_for
 
     def not_ready(self) -> str | None:
         """Why the connection cannot carry an update now, or None."""

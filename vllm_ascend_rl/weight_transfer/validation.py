@@ -9,6 +9,7 @@ import glob
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -71,8 +72,9 @@ _ST_DTYPES = {
 }
 
 
-def expected_params(model_config) -> dict[str, ExpectedParam] | None:
-    """Checkpoint-format parameters of the served model, or None if they cannot be known."""
+def expected_params(model_config: Any) -> dict[str, ExpectedParam] | None:
+    """Checkpoint-format parameters of the served model, or None if they cannot be known.
+    ``model_config``: vLLM's ModelConfig, whose ``dtype`` its stubs leave unresolved."""
     source = model_config.model
     params: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     if os.path.isdir(source):

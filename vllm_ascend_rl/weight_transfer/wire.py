@@ -7,8 +7,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import fields
 from enum import IntEnum
-from functools import cached_property, partial
-from typing import Annotated, Any, Literal
+from functools import cached_property
+from typing import Annotated, Any, Literal, dataclass_transform
 
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -29,11 +29,13 @@ MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_TIMEOUT_S = 24 * 3600.0
 
 # Every wire type: strict types (no "5" for 5, no 1 for True) and no unknown field.
-wire_dataclass = partial(
-    pydantic_dataclass,
-    kw_only=True,
-    config=ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True),
-)
+_WIRE_CONFIG = ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True)
+
+
+@dataclass_transform(kw_only_default=True, field_specifiers=(Field,))  # what mypy sees
+def wire_dataclass(cls: type[Any]) -> type[Any]:
+    return pydantic_dataclass(cls, kw_only=True, config=_WIRE_CONFIG)
+
 
 BucketBytes = Annotated[int, Field(gt=0, le=MAX_BUCKET_BYTES)]
 NumBuffers = Annotated[int, Field(ge=1, le=64)]
