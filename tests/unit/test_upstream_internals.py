@@ -248,9 +248,9 @@ def test_model_executor():
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.serial_utils import run_method
 
-    from vllm_ascend_rl.weight_transfer.session import weights_not_whole
+    from vllm_ascend_rl.readiness import weights_not_whole
 
-    where = "core/recompute_scheduler.py (workers_not_whole) asks the workers at every resume"
+    where = "readiness.py (workers_not_whole) asks the workers at every resume"
     assert assigns(EngineCore.__init__, "model_executor"), (
         f"vLLM's EngineCore no longer keeps its executor in self.model_executor: {where}"
     )
@@ -489,7 +489,7 @@ def test_worker_attributes():
 
     assert assigns(Worker.__init__, "weight_transfer_engine"), (
         "vLLM's worker no longer keeps self.weight_transfer_engine: worker/__init__.py "
-        "(release_for_sleep) and weight_transfer/session.py (weights_not_whole) read it"
+        "(release_for_sleep) and readiness.py (weights_not_whole) read it"
     )
     assert callable(getattr(GPUModelRunner, "get_model", None)), (
         "vLLM's model runner lost get_model(): device/cpu/worker.py and worker/npu_worker.py "

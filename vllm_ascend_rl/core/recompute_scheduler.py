@@ -24,6 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import workers_not_whole
 
 logger = get_logger(__name__)
 
@@ -75,6 +76,10 @@ def refuse_bounce_with_connector(vllm_config: Any) -> None:
 
 class RecomputeScheduler(Scheduler):
     """vLLM's synchronous scheduler plus the recompute policy."""
+
+    # The weight-transfer engines accept on_failure="hold" only under a scheduler that
+    # refuses /resume while a worker's weights are not whole (readiness.py).
+    refuses_resume_when_not_whole = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_bounce_with_connector(kwargs.get("vllm_config") or args[0])
@@ -193,14 +198,6 @@ class RecomputeScheduler(Scheduler):
         if engine_core_call(self).name == "release_kv_cache_memory":
             self._released = True  # vLLM resets the caches just before discarding them
         return super().reset_prefix_cache(*args, **kwargs)
-
-
-def workers_not_whole(engine_core: Any) -> str | None:
-    """Why a worker of ``engine_core`` must not run the model now (on_failure="hold"), asked
-    over the engine core's own ``collective_rpc``; None if every worker may."""
-    from vllm_ascend_rl.weight_transfer.session import weights_not_whole
-
-    return next(filter(None, engine_core.model_executor.collective_rpc(weights_not_whole)), None)
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):
