@@ -8,11 +8,11 @@ from typing import Annotated, Any, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from vllm_ascend_rl.weight_transfer.wire import Verdict
+from vllm_ascend_rl.weight_transfer.wire import WIRE_CONFIG, Verdict
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+    model_config = ConfigDict(**WIRE_CONFIG, frozen=True)
 
 
 class Hello(_Strict):  # engine worker -> its chip's rank, on connecting

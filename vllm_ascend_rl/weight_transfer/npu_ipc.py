@@ -33,7 +33,6 @@ from vllm_ascend_rl.weight_transfer.engine_side import check_init, engine_setup,
 from vllm_ascend_rl.weight_transfer.ipc_messages import Done, Filled, Go, Hello, Ready, Welcome
 from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
 from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
-from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,
     CheckpointUpdateInfo,
@@ -192,10 +191,10 @@ class AscendRLNPUIPCWeightTransferEngine(
         self.doorbell.send(
             Ready(id=info.update_id, verdict=verdict, plan=plan_signature(plan), reason=reason)
         )
-        if verdict != Verdict.GO:
-            raise cast(WeightUpdateRefused, refused(verdict, True, reason))  # never None: not GO
-        go = self.doorbell.expect(Go, info.update_id, "update handshake")
-        refusal = refused(go.verdict, True, go.reason or "another worker refused it")
+        if verdict == Verdict.GO:  # a worker that refused waits for no verdict
+            go = self.doorbell.expect(Go, info.update_id, "update handshake")
+            verdict, reason = go.verdict, go.reason or "another worker refused it"
+        refusal = refused(verdict, True, reason)
         if refusal is not None:
             raise refusal
 

@@ -178,10 +178,10 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         engine._connect()  # every rank: its ring's doorbell, and the sender's link
         return engine
 
-    # vLLM's returns None; Transport's attributes are read only (mypy checks them as settable)
+    # vLLM's returns None: ours says what the update moved.
     def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
         """Push the source into the engine (on every rank); ``weight_version`` tags outputs."""
-        return send_update(self, weight_version)  # type: ignore[arg-type]
+        return send_update(self, weight_version)
 
     # -- connection -------------------------------------------------------------------
     def _connect(self) -> None:
@@ -193,8 +193,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         if len(set(chips)) != len(chips):
             listener.close()
             raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
-        # mypy sees no field of a wire_dataclass (a functools.partial, no dataclass_transform)
-        worker_info = AscendRLNPUIPCWeightTransferInitInfo(  # type: ignore[call-arg]
+        worker_info = AscendRLNPUIPCWeightTransferInitInfo(
             doorbells={r["chip"]: r["doorbell"] for r in ranks},
             zero_copy=info.zero_copy,
             trainer_id=trainer_id(),
@@ -229,7 +228,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         init_call = BackgroundCall(
             "init_weight_transfer_engine", self.client.init_weight_transfer_engine, init_body
         )
-        failure = init_call.failure(None)  # type: ignore[arg-type]  # workers say hello inside
+        failure = init_call.failure(None)  # every worker said hello inside the call
         acceptor.stop()
         self.peers = [acceptor.peers[r] for r in sorted(acceptor.peers)]
         counts = [len(acceptor.workers)]

@@ -116,8 +116,9 @@ class BackgroundCall:
         self.raise_if_failed()
         return self._result
 
-    def failure(self, timeout_s: float) -> str | None:
-        """Wait for the call to end; its error message, or None if it succeeded."""
+    def failure(self, timeout_s: float | None) -> str | None:
+        """Wait for the call to end (``timeout_s`` None: as long as the call takes); its error
+        message, or None if it succeeded."""
         if not self._done.wait(timeout_s):
             return f"{self.what} did not return within {timeout_s:.0f}s"
         return None if self.error is None else server_message(self.error)

@@ -29,12 +29,12 @@ MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_TIMEOUT_S = 24 * 3600.0
 
 # Every wire type: strict types (no "5" for 5, no 1 for True) and no unknown field.
-_WIRE_CONFIG = ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True)
+WIRE_CONFIG = ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True)
 
 
 @dataclass_transform(kw_only_default=True, field_specifiers=(Field,))  # what mypy sees
 def wire_dataclass(cls: type[Any]) -> type[Any]:
-    return pydantic_dataclass(cls, kw_only=True, config=_WIRE_CONFIG)
+    return pydantic_dataclass(cls, kw_only=True, config=WIRE_CONFIG)
 
 
 BucketBytes = Annotated[int, Field(gt=0, le=MAX_BUCKET_BYTES)]
