@@ -20,11 +20,13 @@ from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferEngine,
     AscendRLHCCLWeightTransferInitInfo,
+    HCCLLink,
 )
 from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferEngine,
     AscendRLNPUIPCWeightTransferInitInfo,
+    IPCLink,
     NPUIPCTrainerInitInfo,
 )
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
@@ -48,20 +50,15 @@ def _engine(cls, info):
     parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
     config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
     engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
-    engine.init_info = info
     engine.session.reconnect(
         info.on_failure, info.packed_num_buffers, info.packed_buffer_size_bytes
     )
     return engine
 
 
-def _plan(engine, specs):
-    return plan_for(engine.init_info, specs, engine.alone_bytes)
-
-
-def _receive(engine, specs) -> dict[str, torch.Tensor]:
+def _receive(link, plan) -> dict[str, torch.Tensor]:
     got = {}
-    for bucket, buf in engine.buckets(_plan(engine, specs)):
+    for bucket, buf in link.buckets(plan):
         for spec, off in zip(bucket.specs, bucket.offsets, strict=True):
             got[spec.name] = buf[off : off + spec.nbytes].clone()
         del buf  # loaded: as the engine's receive_weights drops it
@@ -94,8 +91,7 @@ def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound
             trainer.send(plan_for(info, specs, DIRECT_BYTES), iter(tensors.items()), poll)
             return None
         engine = _engine(AscendRLHCCLWeightTransferEngine, info)
-        engine.channel = ch
-        got = _receive(engine, specs)
+        got = _receive(HCCLLink(ch, info, engine.session.pool), plan_for(info, specs, DIRECT_BYTES))
         return got, engine.session.pool.end_update()
 
     trainer_error, (got, (_, peak)) = run_ranks(2, body, timeout_s=20)
@@ -116,23 +112,22 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
     listener, trainer_side, engine_side = doorbell_pair(20)
     trainer.hw, trainer.ring, trainer.peers = get_device("cpu"), [], []
     trainer.doorbells = [trainer_side]
-    engine = _engine(
-        AscendRLNPUIPCWeightTransferEngine,
-        AscendRLNPUIPCWeightTransferInitInfo(
-            doorbells={"chip": listener.address},
-            zero_copy=zero_copy,
-            packed_buffer_size_bytes=BUCKET,
-            packed_num_buffers=BUFFERS,
-        ),
+    info = AscendRLNPUIPCWeightTransferInitInfo(
+        doorbells={"chip": listener.address},
+        zero_copy=zero_copy,
+        packed_buffer_size_bytes=BUCKET,
+        packed_num_buffers=BUFFERS,
     )
-    engine.doorbell = engine_side
+    engine = _engine(AscendRLNPUIPCWeightTransferEngine, info)
+    link = IPCLink(engine_side, info, engine.hw, engine.session)
     try:
         plan = plan_for(trainer.init_info, specs, None)
         assert max(b.nbytes for b in plan) > 5 * MiB  # the tensor travels alone
         handles = trainer._ring_handles(plan)
         assert [b.tensor.numel() for b in trainer.ring] == [BUCKET] * BUFFERS  # not 5 MiB
 
-        engine._map({trainer.hw.location()["chip"]: handles}, _plan(engine, specs))
+        engine_plan = plan_for(info, specs, None)
+        link.map({trainer.hw.location()["chip"]: handles}, engine_plan)
         errors: list[BaseException] = []
 
         def send() -> None:
@@ -143,7 +138,7 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
 
         sender = threading.Thread(target=send)
         sender.start()
-        got = _receive(engine, specs)
+        got = _receive(link, engine_plan)
         sender.join(20)
         assert not errors, errors
         for name, t in tensors.items():
@@ -151,6 +146,6 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         _, peak = engine.session.pool.end_update()
         assert peak <= BUCKET, peak  # copy-out takes a bucket per packed bucket, none for pieces
     finally:
-        engine.disconnect("test over")
+        link.close()
         trainer.shutdown()
         listener.close()

@@ -162,7 +162,7 @@ def test_hold_is_refused_at_init_without_the_plugin_scheduler():
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler
-    from vllm_ascend_rl.weight_transfer.engine_side import check_init
+    from vllm_ascend_rl.weight_transfer.engine import check_init
     from vllm_ascend_rl.weight_transfer.wire import WireParams
 
     def config(cls):

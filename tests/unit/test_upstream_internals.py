@@ -427,7 +427,7 @@ def test_packed_modules():
     mapping = getattr(Qwen2ForCausalLM, "packed_modules_mapping", None)
     assert mapping and mapping.get("qkv_proj") == ["q_proj", "k_proj", "v_proj"], (
         f"vLLM models' packed_modules_mapping changed ({mapping!r}): weight_transfer/"
-        "engine_side.py (vet_update) uses it to refuse updates that fill part of a fused layer"
+        "engine.py (AscendRLEngine._vet) uses it to refuse updates that fill part of a fused layer"
     )
     assert serving_layer("m.0.attn.k_proj.weight", mapping) == "m.0.attn.qkv_proj"
 

@@ -15,7 +15,7 @@ import torch
 
 from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
-from vllm_ascend_rl.weight_transfer import engine_side
+from vllm_ascend_rl.weight_transfer import engine as engine_module
 from vllm_ascend_rl.weight_transfer.hccl import (
     AscendRLHCCLWeightTransferEngine,
     AscendRLHCCLWeightTransferUpdateInfo,
@@ -90,7 +90,7 @@ class _NZDevice(CpuDevice):  # stands in for an NPU whose vllm-ascend has NZ on
     "engine_cls", [AscendRLHCCLWeightTransferEngine, AscendRLNPUIPCWeightTransferEngine]
 )
 def test_engine_start_fails_fast_when_nz_is_on(monkeypatch, engine_cls):
-    monkeypatch.setattr(engine_side, "device_for", lambda *a, **k: _NZDevice())
+    monkeypatch.setattr(engine_module, "device_for", lambda *a, **k: _NZDevice())
     with pytest.raises(ValueError, match="weight_nz_mode=0"):
         engine_cls(None, _vllm_config(), torch.device("cpu"), torch.nn.Linear(2, 2))
 

@@ -13,10 +13,12 @@ from pydantic import ValidationError
 
 from tests.unit.test_channel import run_ranks
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
+from vllm_ascend_rl.weight_transfer.connection import ConnState
 from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferEngine,
     AscendRLHCCLWeightTransferInitInfo,
+    HCCLLink,
     HCCLTrainerInitInfo,
 )
 from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
@@ -27,7 +29,6 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
     AscendRLNPUIPCTrainerWeightTransferEngine,
 )
-from vllm_ascend_rl.weight_transfer.owner import OwnerState, require_up
 from vllm_ascend_rl.weight_transfer.trainer_side import WeightSyncError
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
@@ -118,15 +119,15 @@ def test_an_init_whose_timeout_differs_is_refused_at_the_handshake(monkeypatch):
         )
         engine.init_transfer_engine(engine_info)
         deadline = time.monotonic() + 30
-        while engine.owner.state is OwnerState.CONNECTING and time.monotonic() < deadline:
+        while engine.connection.state is ConnState.CONNECTING and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(RuntimeError, match="disagree on the weight-transfer protocol"):
-            require_up(engine)
-        seen["channel"] = engine.channel
+            engine.connection.link()
+        seen["state"] = engine.connection.state
         return ch.broken
 
     same, broken = run_ranks(2, body)
-    assert same is False and seen["channel"] is None and broken == "closed"
+    assert same is False and seen["state"] is ConnState.FAILED and broken == "closed"
 
 
 def test_an_update_whose_plan_differs_is_refused_before_any_byte():
@@ -143,11 +144,10 @@ def test_an_update_whose_plan_differs_is_refused_before_any_byte():
             trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
             trainer.channel = ch
             return trainer.agree(plan_for(info, specs, None), update), ch.broken
-        engine = _engine()
-        engine.channel, engine.init_info = ch, info
+        link = HCCLLink(ch, info, _engine().session.pool)
         plan = plan_for(info, specs, DIRECT_BYTES)
         with pytest.raises(WeightUpdateRefused, match="plan differs"):
-            engine.agree(Verdict.GO, None, plan)
+            link.agree(Verdict.GO, None, plan)
         return ch.broken
 
     (verdict, trainer_broken), engine_broken = run_ranks(2, body)
@@ -188,12 +188,12 @@ def test_the_update_hooks_run_in_the_engines_vllm_config(monkeypatch):
     def record(*_args, **_kwargs):
         seen.append(get_current_vllm_config())
 
-    monkeypatch.setattr("vllm_ascend_rl.weight_transfer.engine_side.require_up", record)
+    monkeypatch.setattr(engine.connection, "link", record)
     for step in ("start", "finish", "cancel"):
         monkeypatch.setattr(engine.session, step, record)
     monkeypatch.setattr(engine, "parse_update_info", lambda info: info)
     monkeypatch.setattr(engine, "receive_weights", record)
-    monkeypatch.setattr(engine, "disconnect", record)
+    monkeypatch.setattr(engine.connection, "close", record)
     # No accelerator here: a no-op, as vLLM's CPU model runner makes it (cpu_model_runner.py:178).
     monkeypatch.setattr("torch.accelerator.synchronize", lambda *_: None)
     engine.start_weight_update()

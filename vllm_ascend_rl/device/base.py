@@ -119,6 +119,8 @@ class Device(ABC):
 
     kind: str  # "cpu" or "npu"
     collective_backend: str  # torch.distributed backend name for weight broadcasts
+    # Until then a failed collective may still be queued here: no device-wide synchronization.
+    hang_until: float = 0.0
 
     def __init__(self, index: int = 0) -> None:
         # NPU: the logical index, fixed here because the current device is per thread.

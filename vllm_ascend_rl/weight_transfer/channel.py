@@ -216,6 +216,9 @@ class BroadcastChannel:
                 logger.info("telling the engine ranks the channel closed: %s", e)
         broken = self.broken is not None  # a collective may wait on a dead peer
         self.broken = self.broken or "closed"
+        if broken:
+            until = time.monotonic() + self.exec_timeout_s
+            self.device.hang_until = max(self.device.hang_until, until)
         if pg is not None:
             try:
                 self.device.close_group(pg, broken)

@@ -4,33 +4,22 @@ gloo on CPU. The trainer side is :mod:`vllm_ascend_rl.weight_transfer.hccl_train
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import torch
 from pydantic import Field
-from vllm.distributed.weight_transfer.base import (
-    TrainerInitInfo,
-    WeightTransferEngine,
-)
+from vllm.distributed.weight_transfer.base import TrainerInitInfo
 
 from vllm_ascend_rl._registration import HCCL_BACKEND
-from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer import engine_side
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
-from vllm_ascend_rl.weight_transfer.engine_side import (
-    TransferFailed,
-    check_init,
-    engine_setup,
-    refused,
-)
-from vllm_ascend_rl.weight_transfer.owner import Owner, OwnerState, claim, serve
+from vllm_ascend_rl.weight_transfer.engine import AscendRLEngine, TransferFailed, refused
+from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     CheckpointUpdateInfo,
@@ -44,8 +33,6 @@ from vllm_ascend_rl.weight_transfer.wire import (
 
 if TYPE_CHECKING:
     from torch.distributed import Work
-    from vllm.config import VllmConfig
-    from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = get_logger(__name__)
 
@@ -80,60 +67,98 @@ class AscendRLHCCLWeightTransferUpdateInfo(CheckpointUpdateInfo):
     """One update's metadata, in the order the trainer broadcasts the tensors."""
 
 
+class HCCLLink:
+    """This worker's end of the broadcast group (an :class:`EngineLink`)."""
+
+    def __init__(
+        self, channel: BroadcastChannel, info: AscendRLHCCLWeightTransferInitInfo, pool: ReceivePool
+    ) -> None:
+        self.channel, self.info, self.pool = channel, info, pool
+
+    def opened(self) -> None:
+        self.channel.mark_up()  # the trainer's init returns once every rank has said so
+
+    def peer_gone(self) -> str | None:
+        return self.channel.peer_gone()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def agree(
+        self,
+        verdict: Verdict,
+        reason: str | None,
+        plan: list[Bucket],
+        info: AscendRLHCCLWeightTransferUpdateInfo | None = None,
+    ) -> None:
+        """The update handshake; raises unless every rank goes ahead with the same plan."""
+        try:
+            outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
+        except ChannelError as e:
+            if reason is not None:  # an update_weights no trainer takes part in
+                raise WeightUpdateRefused(f"{reason} (and no trainer joined: {e})") from e
+            raise TransferFailed(f"the trainer did not join the update: {e}") from e
+        refusal = refused(*outcome, reason)
+        if refusal is not None:
+            raise refusal
+
+    def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        """Buckets i+1.. are in flight while bucket i loads. A larger bucket (one tensor) comes
+        in bucket-sized pieces assembled in host memory: no device buffer exceeds a bucket."""
+        depth, piece = self.info.packed_num_buffers, self.info.packed_buffer_size_bytes
+        in_flight: deque = deque()
+        for bucket in plan:
+            whole = (
+                self.channel.device.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
+            )
+            for start, n in pieces(bucket.nbytes, piece):
+                # Never a buffer whose views layerwise reload still holds (see ReceivePool).
+                buf = self.pool.take(n)
+                in_flight.append((bucket, buf, self.channel.broadcast(buf), whole, start))
+                if len(in_flight) >= depth:
+                    yield from self._landed(*in_flight.popleft())
+        while in_flight:
+            yield from self._landed(*in_flight.popleft())
+
+    def _landed(
+        self, bucket: Bucket, buf: torch.Tensor, work: Work, whole: torch.Tensor | None, start: int
+    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
+        self.channel.wait(work, f"receiving bucket {bucket.index}")
+        if whole is None:
+            yield bucket, buf
+            return
+        whole[start : start + buf.numel()].copy_(buf)  # waits for the device-to-host copy
+        if start + buf.numel() == bucket.nbytes:
+            yield bucket, whole
+
+
 class AscendRLHCCLWeightTransferEngine(
-    EngineCompat,
-    WeightTransferEngine[AscendRLHCCLWeightTransferInitInfo, AscendRLHCCLWeightTransferUpdateInfo],
+    AscendRLEngine[
+        AscendRLHCCLWeightTransferInitInfo, AscendRLHCCLWeightTransferUpdateInfo, HCCLLink
+    ]
 ):
-    """Engine (worker) side: loads through vLLM's layerwise reload, refuses bad updates whole."""
+    """Engine (worker) side of the HCCL transport."""
 
     init_info_cls = AscendRLHCCLWeightTransferInitInfo
     update_info_cls = AscendRLHCCLWeightTransferUpdateInfo
-    supports_draft_weight_update = False  # vetted against, and loaded into, the target model
+    backend = HCCL_BACKEND
     alone_bytes = DIRECT_BYTES  # large tensors are broadcast from their own memory
-    # vLLM's methods that are the same on every transport (engine_side).
-    parse_init_info = engine_side.parse_init_info
-    parse_update_info = engine_side.parse_update_info
-    start_weight_update = engine_side.start_weight_update
-    update_weights = engine_side.update_weights
-    receive_weights = engine_side.receive_weights
-    finish_weight_update = engine_side.finish_weight_update
-    shutdown = engine_side.shutdown
-    release_buffers = engine_side.release_buffers
+    connects_in_background = True  # the init returns before the rendezvous (timeout_s from now)
 
-    def __init__(
-        self,
-        config: WeightTransferConfig,
-        vllm_config: VllmConfig,
-        device: torch.device,
-        model: torch.nn.Module,
-    ) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.hw, self.session = engine_setup(self, device, HCCL_BACKEND)
-        self.lock = threading.RLock()  # see owner.py
-        self.owner: Owner | None = None
-        self.init_info: AscendRLHCCLWeightTransferInitInfo | None = None
-        self.channel: BroadcastChannel | None = None
-
-    def init_transfer_engine(self, init_info: AscendRLHCCLWeightTransferInitInfo) -> None:
-        """Checks what it can at once, then connects on the owner's thread: the call returns
-        before the rendezvous, which has ``timeout_s`` from now (the trainer's handshake tells
-        it the outcome; a later call here says why it failed)."""
-        check_init(self.vllm_config, init_info)
-        rank = worker_index(self.parallel_config) + init_info.rank_offset
-        if rank >= init_info.world_size:  # refused before any rendezvous: no wait
+    def dial(self, info: AscendRLHCCLWeightTransferInitInfo) -> Callable[[float], HCCLLink]:
+        rank = worker_index(self.parallel_config) + info.rank_offset
+        if rank >= info.world_size:  # refused before any rendezvous: no wait
             raise ValueError(
-                f"world_size={init_info.world_size} leaves no rank for engine worker "
-                f"{rank - init_info.rank_offset} (rank_offset={init_info.rank_offset}): "
+                f"world_size={info.world_size} leaves no rank for engine worker "
+                f"{rank - info.rank_offset} (rank_offset={info.rank_offset}): "
                 "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
-        with self.lock:
-            owner = claim(self, init_info)
-        serve(self, owner, lambda deadline: self._connect(init_info, rank, deadline))
+        return lambda deadline: self._connect(info, rank, deadline)
 
     def _connect(
         self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float
-    ) -> BroadcastChannel:
-        """The rendezvous and the init handshake, both before ``deadline`` (owner's thread)."""
+    ) -> HCCLLink:
+        """The rendezvous and the init handshake, both before ``deadline``."""
         channel = BroadcastChannel.open(
             self.hw,
             info.master_address,
@@ -164,72 +189,4 @@ class AscendRLHCCLWeightTransferEngine(
             info.packed_buffer_size_bytes >> 20,
             info.packed_num_buffers,
         )
-        return channel
-
-    def install(self, channel: BroadcastChannel) -> None:
-        self.channel = channel
-        channel.mark_up()  # the trainer's init returns once every rank has installed it
-
-    def peer_gone(self) -> str | None:
-        return None if self.channel is None else self.channel.peer_gone()
-
-    def agree(
-        self,
-        verdict: Verdict,
-        reason: str | None,
-        plan: list[Bucket],
-        info: AscendRLHCCLWeightTransferUpdateInfo | None = None,
-    ) -> None:
-        """The update handshake; raises unless every rank goes ahead with the same plan."""
-        assert self.channel is not None  # receive_weights: require_up()
-        try:
-            outcome = self.channel.agree(verdict, plan_signature(plan), "update handshake")
-        except ChannelError as e:
-            self.disconnect(str(e))  # first: nothing may wait behind a collective on a dead peer
-            if reason is not None:  # an update_weights no trainer takes part in
-                raise WeightUpdateRefused(f"{reason} (and no trainer joined: {e})") from e
-            raise TransferFailed(f"the trainer did not join the update: {e}") from e
-        refusal = refused(*outcome, reason)
-        if refusal is not None:
-            raise refusal
-
-    def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        """Buckets i+1.. are in flight while bucket i loads. A larger bucket (one tensor) comes
-        in bucket-sized pieces assembled in host memory: no device buffer exceeds a bucket."""
-        assert self.init_info is not None and self.channel is not None  # as in agree
-        depth, piece = self.init_info.packed_num_buffers, self.init_info.packed_buffer_size_bytes
-        in_flight: deque = deque()
-        for bucket in plan:
-            whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
-            for start, n in pieces(bucket.nbytes, piece):
-                # Never a buffer whose views layerwise reload still holds (see ReceivePool).
-                buf = self.session.pool.take(n)
-                in_flight.append((bucket, buf, self.channel.broadcast(buf), whole, start))
-                if len(in_flight) >= depth:
-                    yield from self._landed(*in_flight.popleft())
-        while in_flight:
-            yield from self._landed(*in_flight.popleft())
-
-    def _landed(
-        self, bucket: Bucket, buf: torch.Tensor, work: Work, whole: torch.Tensor | None, start: int
-    ) -> Iterator[tuple[Bucket, torch.Tensor]]:
-        assert self.channel is not None  # as in agree
-        self.channel.wait(work, f"receiving bucket {bucket.index}")
-        if whole is None:
-            yield bucket, buf
-            return
-        whole[start : start + buf.numel()].copy_(buf)  # waits for the device-to-host copy
-        if start + buf.numel() == bucket.nbytes:
-            yield bucket, whole
-
-    def disconnect(self, why: str) -> None:
-        """Close the owner's connection (any thread, lock held); the owner is GONE."""
-        if self.owner is not None:
-            self.owner.end(OwnerState.GONE, why)
-        channel, self.channel = self.channel, None
-        if channel is None:
-            return
-        if channel.broken:  # a collective may stay queued on the device
-            deadline = time.monotonic() + channel.exec_timeout_s
-            self.session.device_busy_until = max(self.session.device_busy_until, deadline)
-        channel.close()
+        return HCCLLink(channel, info, self.session.pool)

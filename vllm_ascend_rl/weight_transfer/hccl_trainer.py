@@ -25,13 +25,13 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
 )
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
+from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferInitInfo,
     AscendRLHCCLWeightTransferUpdateInfo,
     HCCLTrainerInitInfo,
 )
-from vllm_ascend_rl.weight_transfer.owner import trainer_id
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,

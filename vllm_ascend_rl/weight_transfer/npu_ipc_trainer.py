@@ -45,13 +45,13 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
+from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     AscendRLNPUIPCWeightTransferUpdateInfo,
     NPUIPCTrainerInitInfo,
 )
-from vllm_ascend_rl.weight_transfer.owner import trainer_id
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,

@@ -109,8 +109,6 @@ class UpdateSession:
         self.moved = {"bytes": 0.0, "transport": 0.0, "load": 0.0}  # this update's figures
         self.mixed: str | None = None  # hold: why the weights are not whole
         self._guard: RemovableHandle | None = None
-        # Until then a failed collective may be queued: no device-wide sync (hccl.disconnect).
-        self.device_busy_until = 0.0
 
     def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int) -> None:
         """A new trainer connection: cancel any open update, apply the init's parameters (the
@@ -264,7 +262,7 @@ class UpdateSession:
         self.version = None
         self._set_guard()
         allocated, peak = self.pool.end_update()
-        if allocated and completed and time.monotonic() >= self.device_busy_until:
+        if allocated and completed and time.monotonic() >= self.hw.hang_until:
             self.hw.empty_cache()  # a device-wide sync: never behind a hung collective
         logger.info(
             "receive pool: %.1f MiB allocated by this update, peak %.1f MiB (bound %.1f MiB)",

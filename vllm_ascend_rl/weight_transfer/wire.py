@@ -21,7 +21,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     dtype_name,
     plan_buckets,
 )
-from vllm_ascend_rl.weight_transfer.owner import trainer_id
+from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
 PROTOCOL_VERSION = 7  # bump when what travels, or what is signed, changes
@@ -61,7 +61,7 @@ WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
 @wire_dataclass
 class EngineInitInfo(WeightTransferInitInfo, WireParams):
     """What every engine-side init info carries: the wire parameters and which trainer sends
-    it (the channel's owner-to-be, owner.py)."""
+    it (the channel's owner-to-be, connection.py)."""
 
     trainer_id: str = ""
 
@@ -129,7 +129,7 @@ class CheckpointUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     weight_version: str | None = None
-    trainer_id: str = ""  # who sends it: only the channel's owner may (owner.py)
+    trainer_id: str = ""  # who sends it: only the channel's owner may (connection.py)
 
     def __post_init__(self) -> None:
         _ = self.specs  # malformed metadata is refused at construction, as vLLM's infos are

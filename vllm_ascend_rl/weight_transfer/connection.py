@@ -1,0 +1,253 @@
+"""Which trainer owns an engine worker's weight channel, and the channel itself, as a state
+machine (docs/failure-semantics.md#one-trainer-owns-the-weight-channel). :data:`TRANSITIONS`::
+
+    NONE --claim--> CONNECTING --connected--> UP --close--> GONE
+                        |--fail / expire--> FAILED
+                        '--close--> GONE
+    NONE / FAILED / GONE --claim--> CONNECTING   (a claim closes the current link first)
+
+An init from another trainer is refused while the owner is CONNECTING or UP (an UP owner is
+first asked whether it is still there); the owner's own init replaces its connection. The
+transport's ``connect(deadline)`` runs on the worker thread (NPU IPC: the trainer counts the
+workers that said hello when its init call returns) or on the connection's own thread (HCCL:
+the engine keeps generating through the rendezvous); either way its outcome is one event,
+``expire`` if it came after ``timeout_s``. Then that thread checks every ``WATCH_TICK_S``
+whether the trainer left and, if so, closes the link: an idle engine gets no call from vLLM,
+and only a poll notices a trainer that died between updates and frees what the worker maps or
+holds for it (a TCPStore key for HCCL, the socket's end for NPU IPC). Every change happens
+under ``lock``, which the engine holds through each of vLLM's calls."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
+
+from vllm_ascend_rl.device import Device
+from vllm_ascend_rl.logs import get_logger
+
+logger = get_logger(__name__)
+
+WATCH_TICK_S = 0.5  # how often the connection's thread checks that its trainer is still there
+
+
+class Link(Protocol):
+    """A transport's live connection to the owner's trainer, as the connection sees it."""
+
+    def opened(self) -> None:
+        """This worker's side is UP (lock held): tell the trainer, if it waits for that."""
+
+    def peer_gone(self) -> str | None:
+        """Why the trainer is gone, or None; never waits (lock held)."""
+
+    def close(self) -> None:
+        """Release the link; safe to call on a broken one (lock held)."""
+
+
+L = TypeVar("L", bound=Link)
+
+
+class ConnState(Enum):
+    NONE = "not initialized"
+    CONNECTING = "connecting"
+    UP = "connected"
+    FAILED = "init failed"
+    GONE = "disconnected"
+
+
+class ConnEvent(Enum):
+    CLAIM = "init_weight_transfer_engine"
+    CONNECTED = "connected"
+    FAIL = "connection failed"
+    EXPIRE = "timeout_s passed"
+    CLOSE = "close"
+
+
+C, V = ConnState, ConnEvent
+TRANSITIONS: dict[tuple[ConnState, ConnEvent], ConnState] = {
+    (C.NONE, V.CLAIM): C.CONNECTING,  # a claim closes the old link first: never from UP
+    (C.FAILED, V.CLAIM): C.CONNECTING,
+    (C.GONE, V.CLAIM): C.CONNECTING,
+    (C.CONNECTING, V.CONNECTED): C.UP,
+    (C.CONNECTING, V.FAIL): C.FAILED,
+    (C.CONNECTING, V.EXPIRE): C.FAILED,
+    (C.CONNECTING, V.CLOSE): C.GONE,
+    (C.UP, V.CLOSE): C.GONE,
+    (C.NONE, V.CLOSE): C.NONE,
+    (C.FAILED, V.CLOSE): C.FAILED,
+    (C.GONE, V.CLOSE): C.GONE,
+}
+
+ANONYMOUS = "(anonymous)"  # the trainer of an init or update that names none (by hand)
+_identity: tuple[int, str] = (0, "")
+
+
+def _named(trainer: str) -> str:
+    return trainer or ANONYMOUS
+
+
+def trainer_id() -> str:
+    """This process's identity as a trainer (host, pid, random), new in a forked child."""
+    global _identity
+    if _identity[0] != os.getpid():
+        pid = os.getpid()
+        _identity = (pid, f"{socket.gethostname()}:{pid}:{secrets.token_hex(4)}")
+    return _identity[1]
+
+
+class NotConnected(RuntimeError):
+    """A call that needs the owner's connection, with none up."""
+
+    cause = "not_connected"
+
+
+class NotOwner(ValueError):
+    """An update another trainer than the channel's owner sent."""
+
+    cause = "not_owner"
+
+
+class Connection(Generic[L]):
+    """One engine worker's owner and link; ``state`` changes only through :meth:`_fire`."""
+
+    def __init__(self, lock: threading.RLock, hw: Device) -> None:
+        self.lock, self.hw = lock, hw
+        self.state = ConnState.NONE
+        self.trainer, self.since, self.why = "", "", ""
+        self.timeout_s = self.deadline = 0.0
+        self._link: L | None = None  # set exactly while UP
+        self._claim = 0  # which init a connecting thread works for
+
+    def _fire(self, event: ConnEvent, why: str = "") -> None:
+        after = TRANSITIONS.get((self.state, event))
+        if after is None:
+            raise RuntimeError(f"connection: {event.value} while {self.state.value}")
+        if after is not self.state or event is ConnEvent.CLAIM:
+            self.why = why
+        self.state = after
+
+    def describe(self) -> str:
+        text = f"trainer {self.trainer} (init at {self.since}, {self.state.value}"
+        return text + (f": {self.why})" if self.why else ")")
+
+    # -- events (lock held) ------------------------------------------------------------
+    def claim(self, trainer: str, timeout_s: float) -> int:
+        """At init: refuse (ValueError, nothing changed) if another trainer owns the channel;
+        else close the current link and make ``trainer`` the owner, CONNECTING."""
+        if self.state is ConnState.UP:
+            self._check_peer()
+        live = self.state in (ConnState.CONNECTING, ConnState.UP)
+        if live and self.trainer != _named(trainer):
+            raise ValueError(
+                f"refused init_weight_transfer_engine: the weight channel belongs to "
+                f"{self.describe()}. It is released when that trainer shuts its engine down or "
+                "exits (the engine notices at once); until then only it may re-init"
+            )
+        self.close("replaced by a new init_weight_transfer_engine")
+        self._fire(ConnEvent.CLAIM)
+        self.trainer, self.since = _named(trainer), time.strftime("%H:%M:%S")
+        self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
+        self._claim += 1
+        return self._claim
+
+    def close(self, why: str) -> None:
+        """Close the link, if any (any thread); the owner is GONE."""
+        link, self._link = self._link, None
+        self._fire(ConnEvent.CLOSE, why)
+        if link is not None:
+            link.close()
+
+    def link(self) -> L:
+        """The owner's link, for a call that needs it; NotConnected, at once, saying why not."""
+        if self.state is ConnState.UP:
+            self._check_peer()
+        if self._link is not None:
+            return self._link
+        if self.state is ConnState.NONE:
+            raise NotConnected(
+                "the weight transfer engine is not initialized: call init_weight_transfer_engine "
+                "first"
+            )
+        if self.state is ConnState.CONNECTING:
+            left = max(0.0, self.deadline - time.monotonic())
+            raise NotConnected(
+                f"the weight channel is still connecting to {self.describe()}, {left:.0f}s of "
+                "its timeout_s left: the trainer has not finished its side of the init"
+            )
+        raise NotConnected(
+            f"no weight channel: {self.describe()}. Call init_weight_transfer_engine again"
+        )
+
+    def require_owner(self, trainer: str) -> None:
+        """Refuse, at once, an update that the channel's owner did not send."""
+        if _named(trainer) != self.trainer:
+            raise NotOwner(
+                f"this update comes from trainer {_named(trainer)}, but the weight channel "
+                f"belongs to {self.describe()}: only the trainer that made the channel may "
+                "update through it"
+            )
+
+    def _check_peer(self) -> None:
+        why = self._link.peer_gone() if self._link is not None else None
+        if why:
+            logger.warning("weight transfer: the trainer left (%s); releasing its connection", why)
+            self.close(f"the trainer left: {why}")
+
+    # -- connecting and watching -------------------------------------------------------
+    def start(self, claim: int, connect: Callable[[float], L], background: bool) -> None:
+        """Run ``connect(deadline)`` for ``claim`` here (raising its error) or on the
+        connection's thread, then watch the trainer on that thread until it leaves."""
+        if not background:
+            self._settle(claim, connect)
+        args = (claim, connect if background else None)
+        threading.Thread(target=self._run, args=args, daemon=True, name="weight-connection").start()
+
+    def _run(self, claim: int, connect: Callable[[float], L] | None) -> None:
+        self.hw.bind_thread()
+        if connect is not None:
+            try:
+                self._settle(claim, connect)
+            except Exception:
+                return
+        while True:
+            time.sleep(WATCH_TICK_S)
+            with self.lock:
+                if self._claim != claim or self.state is not ConnState.UP:
+                    return
+                self._check_peer()
+
+    def _settle(self, claim: int, connect: Callable[[float], L]) -> None:
+        """Connect, then fire the outcome, unless a newer init replaced this one meanwhile
+        (then the new link is closed unused)."""
+        try:
+            link = connect(self.deadline)
+        except Exception as e:
+            with self.lock:
+                if self._claim == claim and self.state is ConnState.CONNECTING:
+                    late = time.monotonic() > self.deadline
+                    self._fire(
+                        ConnEvent.EXPIRE if late else ConnEvent.FAIL, f"{type(e).__name__}: {e}"
+                    )
+                    logger.error("weight transfer init failed: %s", self.describe())
+            raise
+        with self.lock:
+            if self._claim != claim or self.state is not ConnState.CONNECTING:
+                link.close()
+                raise NotConnected("replaced by a newer init_weight_transfer_engine")
+            if time.monotonic() > self.deadline:
+                link.close()
+                self._fire(ConnEvent.EXPIRE, f"no connection within timeout_s={self.timeout_s:g}s")
+                logger.error("weight transfer init failed: %s", self.describe())
+                raise NotConnected(self.describe())
+            self._link = link
+            self._fire(ConnEvent.CONNECTED)
+            try:
+                link.opened()
+            except Exception as e:
+                self.close(f"telling the trainer failed: {type(e).__name__}: {e}")
+                raise
