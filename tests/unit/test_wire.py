@@ -4,6 +4,7 @@ real engine and trainer code over a gloo group, in threads."""
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 
@@ -12,6 +13,8 @@ import torch
 from pydantic import ValidationError
 
 from tests.unit.test_channel import run_ranks
+from tests.unit.test_ipc_transport import doorbell_pair
+from vllm_ascend_rl.device import get_device
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
 from vllm_ascend_rl.weight_transfer.connection import ConnState
 from vllm_ascend_rl.weight_transfer.hccl import (
@@ -24,6 +27,8 @@ from vllm_ascend_rl.weight_transfer.hccl import (
 from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
+    AscendRLNPUIPCWeightTransferUpdateInfo,
+    IPCLink,
     NPUIPCTrainerInitInfo,
 )
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
@@ -152,6 +157,54 @@ def test_an_update_whose_plan_differs_is_refused_before_any_byte():
 
     (verdict, trainer_broken), engine_broken = run_ranks(2, body)
     assert verdict is Verdict.REFUSED and trainer_broken is None and engine_broken is None
+
+
+def test_an_npu_ipc_worker_whose_plan_differs_is_refused_at_once_and_keeps_its_doorbell():
+    """A worker that says GO with other buckets than its trainer rank's: the rank refuses the
+    update and tells that worker so at once (it waits for a verdict), and the doorbell stays
+    up for the next update. Real trainer and engine code over shared memory and a doorbell."""
+    specs = [TensorSpec("a", torch.float32, (1000,)), TensorSpec("b", torch.float32, (3000,))]
+    trainer = object.__new__(AscendRLNPUIPCTrainerWeightTransferEngine)
+    trainer.init_info = NPUIPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=16384)
+    listener, trainer_end, engine_end = doorbell_pair(5.0)
+    trainer.hw, trainer.ring, trainer.peers, trainer.update_id = get_device("cpu"), [], [], 1
+    trainer.doorbells = [trainer_end]
+    info = AscendRLNPUIPCWeightTransferInitInfo(
+        doorbells={"chip": listener.address}, packed_buffer_size_bytes=16384
+    )
+    link = IPCLink(engine_end, info, get_device("cpu"), _engine().session)
+    plan = plan_for(trainer.init_info, specs, None)  # one bucket of both tensors
+    other = plan_for(
+        AscendRLNPUIPCWeightTransferInitInfo(**{**vars(info), "packed_buffer_size_bytes": 12288}),
+        specs,
+        None,
+    )
+    assert len(other) != len(plan)
+    update = AscendRLNPUIPCWeightTransferUpdateInfo(
+        **AscendRLNPUIPCWeightTransferUpdateInfo.fields_from_specs(specs),
+        buffers={trainer.hw.location()["chip"]: trainer._ring_handles(plan)},
+        update_id=1,
+    )
+    verdicts: list[Verdict] = []
+    rank = threading.Thread(
+        target=lambda: verdicts.append(
+            trainer.agree(plan, types.SimpleNamespace(raise_if_failed=lambda: None))
+        )
+    )
+    rank.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WeightUpdateRefused, match="the worker planned other buckets"):
+            link.agree(Verdict.GO, None, other, update)
+        waited = time.monotonic() - t0
+        rank.join(10)
+        assert verdicts == [Verdict.REFUSED]
+        assert waited < 5.0, f"the worker waited {waited:.1f}s: its doorbell's timeout"
+        assert link.peer_gone() is None and trainer.not_ready() is None
+    finally:
+        link.close()
+        trainer.shutdown()
+        listener.close()
 
 
 @pytest.mark.parametrize("zero_copy", [True, False])

@@ -281,7 +281,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         # No poll on the update call here: a worker that refused fails it at once, and the
         # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
         verdicts = [p.expect(msg.Ready, self.update_id, "update handshake") for p in self.peers]
-        verdict, reason = _lowest([*replies, *verdicts])
+        verdict, reason = _lowest([*_judged(replies, plan), *verdicts])
         go = msg.Go(id=self.update_id, verdict=verdict, reason=reason)
         for peer in self.peers:
             peer.send(go)
@@ -324,7 +324,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
                     raise WeightSyncError(f"unexpected message from the sender: {other!r}")
             sender.send(msg.Ring(id=update_id, chip=self.chip, handles=self._ring_handles(plan)))
             replies = self._ready(plan, self._watch)
-            verdict, reason = _lowest(replies)
+            verdict, reason = _lowest(_judged(replies, plan))
             sender.send(msg.Ready(id=update_id, verdict=verdict, reason=reason))
             go = sender.expect(msg.Go, update_id, "waiting for the sender's verdict")
             self._go(replies, go)
@@ -360,19 +360,14 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         return [b.handle for b in self.ring]
 
     def _ready(self, plan: list[Bucket], poll: Poll) -> list[msg.Ready]:
-        """This rank's workers' verdicts; one that planned otherwise refuses."""
-        replies = [
+        """This rank's workers' replies, as they sent them."""
+        return [
             d.expect(msg.Ready, self.update_id, "update handshake", poll) for d in self.doorbells
         ]
-        sig = plan_signature(plan)
-        planned_other = msg.Ready(
-            id=self.update_id, verdict=Verdict.REFUSED, reason="the worker planned other buckets"
-        )
-        return [planned_other if r.verdict == Verdict.GO and r.plan != sig else r for r in replies]
 
     def _go(self, replies: list[msg.Ready], go: msg.Go) -> None:
         for d, r in zip(self.doorbells, replies, strict=True):
-            if r.verdict == Verdict.GO:  # a worker that refused waits for no verdict
+            if r.verdict == Verdict.GO:  # every worker that said GO waits for the verdict
                 d.send(go)
 
     def _stream(self, plan: list[Bucket], pairs: Pairs, poll: Poll) -> None:
@@ -414,6 +409,18 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
 
 class _Cancelled(Exception):
     """The sender cancelled this update before any engine worker saw it."""
+
+
+def _judged(replies: list[msg.Ready], plan: list[Bucket]) -> list[msg.Ready]:
+    """Workers' replies as verdicts on ``plan``: a GO for other buckets refuses it."""
+    sig = plan_signature(plan)
+    other = "the worker planned other buckets"
+    return [
+        msg.Ready(id=r.id, verdict=Verdict.REFUSED, reason=other)
+        if r.verdict == Verdict.GO and r.plan != sig
+        else r
+        for r in replies
+    ]
 
 
 def _lowest(replies: list[msg.Ready]) -> tuple[Verdict, str | None]:
