@@ -162,7 +162,10 @@ def test_level_2_refuses_the_kv_cache_until_the_weights_are_reloaded(worker):
     assert worker.model.weight.abs().sum() == 0  # level 2 discarded the weights
     with pytest.raises(RuntimeError, match="refusing to wake the KV cache"):
         worker.wake_up(["kv_cache"])
-    worker.finish_weight_update()  # a weight transfer completed
+    worker.finish_weight_update()  # a finish that loaded nothing: still discarded
+    with pytest.raises(RuntimeError, match="refusing to wake the KV cache"):
+        worker.wake_up(["kv_cache"])
+    worker.reload_weights()  # new weights (vLLM's reload; a completed transfer does the same)
     worker.wake_up(["kv_cache"])
     assert worker.allocator.is_awake("kv_cache")
 

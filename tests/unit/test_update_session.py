@@ -13,6 +13,7 @@ import torch
 
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.readiness import Readiness
 from vllm_ascend_rl.weight_transfer.session import (
     TRANSITIONS,
     Event,
@@ -134,7 +135,7 @@ def test_a_failed_restore_update_says_what_was_restored():
         s.fail(RuntimeError("test"))
         == "model unchanged (the old weights were restored in 3 layer(s))"
     )
-    assert s.not_whole() is None
+    assert s.readiness.reason is None
 
 
 def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
@@ -142,17 +143,27 @@ def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
     s.start()
     assert s.reload.calls == ["begin(keep_old=False)"]  # no backup of the old weights
     s.receive("v2-partial")
-    assert "loading (on_failure=hold)" in s.not_whole()  # a resume now would mix versions
+    assert "loading (on_failure=hold)" in s.readiness.reason  # a resume would mix versions
     state = s.fail(RuntimeError("test"))
     assert "of version 'v2-partial' failed after 2 layer(s)" in state
-    assert s.not_whole() == s.mixed and s.state is State.IDLE
+    assert s.readiness.state is Readiness.NOT_WHOLE and s.readiness.reason in state
+    assert s.state is State.IDLE
     with pytest.raises(RuntimeError, match="refusing to run the model"):
         s.model(torch.zeros(1, 2))  # the guard stays while the weights are not whole
     s.reload.kept = 0  # the next update completes
     for event in (Event.START, Event.RECEIVE, Event.LOADED, Event.FINISH):
         fire(s, event)
-    assert s.not_whole() is None and s._guard is None
+    assert s.readiness.reason is None and s._guard is None
     s.model(torch.zeros(1, 2))
+
+
+def test_hold_an_update_that_changed_no_layer_leaves_the_weights_whole():
+    s = session(hold=True, kept=0)
+    s.start()
+    s.receive("v2")
+    assert s.readiness.state is Readiness.LOADING
+    s.fail(RuntimeError("test"))
+    assert s.readiness.state is Readiness.WHOLE and s._guard is None
 
 
 def test_hold_is_refused_at_init_without_the_plugin_scheduler():

@@ -206,51 +206,53 @@ def test_engine_core_calls():
     # Which calls reach the scheduler, and how: tests/unit/test_engine_calls.py.
 
 
-def test_engine_core_calls_release_kv_cache_memory():
-    from vllm.v1.core.sched.interface import PauseState
+def test_executor_sleeping_tags():
+    """readiness.engine_unready refuses a resume while the executor's ``is_sleeping``: vLLM's
+    Executor keeps it and ``sleeping_tags`` through sleep, partial wakes and (0.32)
+    ``discard``, which ``release_kv_cache_memory`` calls."""
     from vllm.v1.engine.core import EngineCore
+    from vllm.v1.executor.abstract import Executor
 
-    from vllm_ascend_rl.core.engine_calls import engine_core_call
+    where = "readiness.py (engine_unready) reads it at every resume"
 
-    if not hasattr(EngineCore, "release_kv_cache_memory"):
-        pytest.skip("this vLLM has no release_kv_cache_memory (0.27.1)")
+    class Recording(Executor):  # STAND-IN workers: vLLM's own Executor methods run
+        def _init_executor(self) -> None: ...
 
-    class Scheduler:  # records which engine-core call resets the prefix cache
-        pause_state = PauseState.PAUSED_ALL
-        call = None
+        def check_health(self) -> None: ...
 
-        def has_requests(self) -> bool:
-            return False
+        def collective_rpc(self, method, *args, **kwargs):
+            return [None]
 
-        def reset_prefix_cache(self, *args, **kwargs) -> bool:
-            self.call = engine_core_call(self)
-            return True
-
-    core = object.__new__(EngineCore)
-    core.scheduler, core.batch_queue = Scheduler(), None
-    # STAND-INs: an awake executor, and caches with nothing to reset.
-    core.model_executor = types.SimpleNamespace(is_sleeping=False, discard=lambda tags: None)
-    core.reset_mm_cache = core.reset_encoder_cache = lambda: None
-    EngineCore.release_kv_cache_memory(core)
-    assert core.scheduler.call is not None, (
-        "vLLM's release_kv_cache_memory no longer resets the scheduler's prefix cache: "
-        "core/recompute_scheduler.py (reset_prefix_cache) marks the released KV cache there"
-    )
-    assert core.scheduler.call.name == "release_kv_cache_memory", (
-        "core/engine_calls.py no longer sees release_kv_cache_memory on the stack when vLLM "
-        f"resets the prefix cache (saw {core.scheduler.call.name!r}): after a release, "
-        "core/recompute_scheduler.py would let generation resume on freed KV memory"
-    )
+    executor = object.__new__(Recording)
+    executor.sleeping_tags = set()  # as Executor.__init__ sets it
+    if not isinstance(inspect.getattr_static(Executor, "is_sleeping", None), property):
+        executor.is_sleeping = False  # vLLM 0.27.1: an attribute, not a property
+    Executor.sleep(executor, level=1)
+    assert executor.is_sleeping and executor.sleeping_tags == {"weights", "kv_cache"}, where
+    Executor.wake_up(executor, ["weights"])
+    assert executor.is_sleeping and executor.sleeping_tags == {"kv_cache"}, where
+    Executor.wake_up(executor, ["kv_cache"])
+    assert not executor.is_sleeping, where
+    if hasattr(EngineCore, "release_kv_cache_memory"):
+        Executor.discard(executor, ("kv_cache",))
+        assert executor.is_sleeping and executor.sleeping_tags == {"kv_cache"}, (
+            f"vLLM's Executor.discard no longer marks the KV cache asleep: {where}, so a "
+            "resume after /release_kv_cache_memory would run on freed memory"
+        )
+        assert "self.model_executor.discard" in inspect.getsource(
+            EngineCore.release_kv_cache_memory
+        ), f"vLLM's release_kv_cache_memory no longer discards through the executor: {where}"
 
 
 def test_model_executor():
+    import torch
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.serial_utils import run_method
 
-    from vllm_ascend_rl.readiness import weights_not_whole
+    from vllm_ascend_rl.readiness import model_unready
 
-    where = "readiness.py (workers_not_whole) asks the workers at every resume"
+    where = "readiness.py (engine_unready) asks the workers at every resume"
     assert assigns(EngineCore.__init__, "model_executor"), (
         f"vLLM's EngineCore no longer keeps its executor in self.model_executor: {where}"
     )
@@ -259,8 +261,9 @@ def test_model_executor():
     )
     import cloudpickle
 
-    worker = types.SimpleNamespace(weight_transfer_engine=None)  # STAND-IN: no engine yet
-    for method in (weights_not_whole, cloudpickle.dumps(weights_not_whole)):
+    model = torch.nn.Linear(2, 2)  # STAND-IN worker: a model runner holding a model
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
+    for method in (model_unready, cloudpickle.dumps(model_unready)):
         assert run_method(worker, method, (), {}) is None, (
             f"vLLM's workers no longer run a function sent through collective_rpc: {where}"
         )
@@ -463,7 +466,6 @@ def test_worker_rpcs():
         "load_model": ["self"],  # ChipCPUWorker calls it with no arguments
         "initialize_from_config": ["self", "kv_cache_config"],
         "determine_available_memory": ["self"],
-        "finish_weight_update": ["self"],
         "reload_weights": ["self"],
     }
     optional = {"sleep": "level", "wake_up": "tags"}
@@ -489,11 +491,11 @@ def test_worker_attributes():
 
     assert assigns(Worker.__init__, "weight_transfer_engine"), (
         "vLLM's worker no longer keeps self.weight_transfer_engine: worker/__init__.py "
-        "(release_for_sleep) and readiness.py (weights_not_whole) read it"
+        "(release_for_sleep) reads it"
     )
     assert callable(getattr(GPUModelRunner, "get_model", None)), (
-        "vLLM's model runner lost get_model(): device/cpu/worker.py and worker/npu_worker.py "
-        "reach the model through it"
+        "vLLM's model runner lost get_model(): device/cpu/worker.py, worker/npu_worker.py "
+        "and readiness.py (model_unready) reach the model through it"
     )
 
 

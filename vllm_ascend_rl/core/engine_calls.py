@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "release_kv_cache_memory", "resume_scheduler"})
+ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "resume_scheduler"})
 _MAX_DEPTH = 8  # set_pause_state <- resume_scheduler (DP, then base) <- wake_up <- ...
 
 

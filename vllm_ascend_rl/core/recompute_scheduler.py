@@ -24,7 +24,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.readiness import workers_not_whole
+from vllm_ascend_rl.readiness import engine_unready
 
 logger = get_logger(__name__)
 
@@ -78,7 +78,7 @@ class RecomputeScheduler(Scheduler):
     """vLLM's synchronous scheduler plus the recompute policy."""
 
     # The weight-transfer engines accept on_failure="hold" only under a scheduler that
-    # refuses /resume while a worker's weights are not whole (readiness.py).
+    # refuses /resume while a worker's model is not whole (readiness.py).
     refuses_resume_when_not_whole = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -88,8 +88,7 @@ class RecomputeScheduler(Scheduler):
         self.num_bounced = 0
         self._in_schedule = False
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
-        self._asleep: PauseState | None = None  # while asleep: the pause in force before
-        self._released = False  # /release_kv_cache_memory ran and no wake_up since
+        self._asleep: PauseState | None = None  # from a sleep to its wake: the pause before
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
@@ -169,7 +168,7 @@ class RecomputeScheduler(Scheduler):
             return pause_state
         if call.name == "wake_up":
             before = self.pause_state if self._asleep is None else self._asleep
-            self._asleep, self._released = None, False
+            self._asleep = None
             if before != PauseState.UNPAUSED:
                 logger.warning(
                     "wake_up: keeping the pause (%s) taken before the engine slept or "
@@ -178,26 +177,19 @@ class RecomputeScheduler(Scheduler):
                 )
             return before
         refusal = None
-        if self._asleep is not None or self._released:
+        if self._asleep is not None:  # also a sleep still waiting for its pause, or failed
             refusal = (
-                "the engine "
-                + ("was put to sleep" if self._asleep is not None else "released its KV cache")
-                + ", and a step would run on memory that is not resident; call /wake_up first "
-                "(also after a /sleep that failed)"
+                "the engine was put to sleep, and a step would run on memory that is not "
+                "resident; call /wake_up first (also after a /sleep that failed)"
             )
         elif call.engine_core is not None:
-            refusal = workers_not_whole(call.engine_core)
+            refusal = engine_unready(call.engine_core)
         if refusal is not None:
             raise RuntimeError(
                 f"refusing to resume generation: {refusal}. The pause stays in force and "
                 "queued requests wait."
             )
         return pause_state
-
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
-        if engine_core_call(self).name == "release_kv_cache_memory":
-            self._released = True  # vLLM resets the caches just before discarding them
-        return super().reset_prefix_cache(*args, **kwargs)
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):

@@ -13,7 +13,7 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
   open, so ``finish`` (or a failing ``update_weights``) follows.
 - Any end but ``finish`` from ``RECEIVED`` restores the old weights (``restore``) or, under
   ``hold`` once layers took new weights, leaves the model *not whole*: the plugin scheduler
-  refuses every resume (:meth:`UpdateSession.not_whole`) until an update completes."""
+  refuses every resume (``readiness.py``) until an update completes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import torch
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import Readiness, readiness_of
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes, unpack_views
 from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
@@ -107,7 +108,7 @@ class UpdateSession:
         self.version: str | None = None  # the version the open update loads, if named
         self.cancelled: str | None = None  # why the open update was cancelled
         self.moved = {"bytes": 0.0, "transport": 0.0, "load": 0.0}  # this update's figures
-        self.mixed: str | None = None  # hold: why the weights are not whole
+        self.readiness = readiness_of(model)
         self._guard: RemovableHandle | None = None
 
     def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int) -> None:
@@ -154,6 +155,8 @@ class UpdateSession:
         """``update_weights`` begins (before its handshake)."""
         self._go(Event.RECEIVE)
         self.version = version
+        if self.hold and self.readiness.state is Readiness.WHOLE:
+            self.readiness.set(Readiness.LOADING)  # layers may hold either version now
 
     def load(self, bucket: Bucket, buf: torch.Tensor, waited_s: float) -> None:
         """Load one bucket that took ``waited_s`` to arrive; layerwise reload may keep views of
@@ -180,7 +183,7 @@ class UpdateSession:
             logger.warning("finish_weight_update without any update: %s", why)
         else:
             self.reload.finish(self.model_config)
-            self.mixed = None
+            self.readiness.set(Readiness.WHOLE)
             self._end("ok", "")
 
     def fail(self, e: BaseException) -> str:
@@ -202,14 +205,6 @@ class UpdateSession:
             self.cancelled = f"the weight update was cancelled because {why}; {held}"
             logger.error("%s", self.cancelled)
 
-    def not_whole(self) -> str | None:
-        """Why generation must not run on this worker's weights now, or None."""
-        if self.mixed:
-            return self.mixed
-        if self.hold and self.state in (State.RECEIVING, State.RECEIVED):
-            return "a weight update is loading (on_failure=hold): finish it first"
-        return None
-
     # -- actions -----------------------------------------------------------------------
     def _abort(self, result: str, cause: str) -> str:
         """Undo the open update's reload; what the model holds now."""
@@ -225,19 +220,22 @@ class UpdateSession:
             )
         if kept:
             version = f" of version {self.version!r}" if self.version else ""
-            self.mixed = (
+            self.readiness.set(
+                Readiness.NOT_WHOLE,
                 f"the weights are not whole: a weight update{version} failed after {kept} "
                 "layer(s) had taken new weights (on_failure=hold); generation is refused "
-                "until a weight update completes"
+                "until a weight update completes",
             )
+        elif self.readiness.state is Readiness.LOADING:
+            self.readiness.set(Readiness.WHOLE)  # no layer took new weights
         self._end(result, cause)
         if restored:
             return f"model unchanged (the old weights were restored in {restored} layer(s))"
         return self._whole()
 
     def _whole(self) -> str:
-        if self.mixed:
-            return f"{self.mixed} (still, from an earlier failed update)"
+        if self.readiness.state is Readiness.NOT_WHOLE:
+            return f"{self.readiness.reason} (still, from an earlier failed update)"
         return "model unchanged"
 
     def _count(self, result: str, cause: str) -> None:
@@ -274,9 +272,10 @@ class UpdateSession:
     def _set_guard(self) -> None:
         """The forward pre-hook is on while an update is open or the weights are not whole."""
         wanted = self.state is not State.IDLE and self.state is not State.CANCELLED
-        if (wanted or self.mixed) and self._guard is None:
+        wanted = wanted or self.readiness.state is Readiness.NOT_WHOLE
+        if wanted and self._guard is None:
             self._guard = self.model.register_forward_pre_hook(self._forward)
-        elif not (wanted or self.mixed) and self._guard is not None:
+        elif not wanted and self._guard is not None:
             self._guard.remove()
             self._guard = None
 
@@ -289,5 +288,5 @@ class UpdateSession:
                 "start_weight_update",
                 "generation_ran",
             )
-        if self.mixed:
-            raise RuntimeError(f"refusing to run the model: {self.mixed}")
+        if self.readiness.state is Readiness.NOT_WHOLE:
+            raise RuntimeError(f"refusing to run the model: {self.readiness.reason}")

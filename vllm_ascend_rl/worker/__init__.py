@@ -7,16 +7,12 @@ import gc
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, readiness_of
+
 if TYPE_CHECKING:
     import torch
 
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
-
-RELOAD_HINT = (
-    "the weights were discarded by a level-2 sleep: wake them "
-    "(/wake_up?tags=weights), load new ones (a weight transfer, or reload_weights "
-    "from disk), then wake the KV cache (/wake_up?tags=kv_cache)"
-)
 
 
 def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
@@ -71,11 +67,14 @@ def confine_kv_pool(worker: Any) -> int:
 
 
 class SleepableMixin:
-    """Shared by both sleepable workers. After a level-2 sleep, waking the KV cache (which lets
-    requests run) is refused until new weights are loaded. ``memory_in_use`` (via
-    ``/collective_rpc``) reports the device memory the worker's process holds."""
+    """Shared by both sleepable workers. After a level-2 sleep the model's readiness is
+    DISCARDED, and waking the KV cache (which lets requests run) is refused until new weights
+    are loaded. ``memory_in_use`` (via ``/collective_rpc``) reports the device memory the
+    worker's process holds."""
 
-    _needs_reload = False
+    @property
+    def readiness(self) -> ModelReadiness:
+        return readiness_of(self.model_runner.get_model())
 
     @staticmethod
     def check_sleep_level(level: int) -> None:
@@ -84,12 +83,9 @@ class SleepableMixin:
             raise ValueError(f"sleep level {level} is not supported: use 1 or 2")
 
     def refuse_kv_wake_before_reload(self, tags: list[str] | None) -> None:
-        if self._needs_reload and (tags is None or "kv_cache" in tags):
+        discarded = self.readiness.state is Readiness.DISCARDED
+        if discarded and (tags is None or "kv_cache" in tags):
             raise RuntimeError(f"refusing to wake the KV cache: {RELOAD_HINT}")
-
-    def finish_weight_update(self) -> None:
-        super().finish_weight_update()
-        self._needs_reload = False
 
     def reload_weights(self, *args: Any, **kwargs: Any) -> None:
         """From a checkpoint directory (``weights_path=``, the HTTP form): checked first and
@@ -97,10 +93,11 @@ class SleepableMixin:
         if set(kwargs) == {"weights_path"} and not args:
             from vllm_ascend_rl.worker.disk_reload import reload_from_disk
 
-            reload_from_disk(self, kwargs["weights_path"], keep_old=not self._needs_reload)
+            keep_old = self.readiness.state is not Readiness.DISCARDED
+            reload_from_disk(self, kwargs["weights_path"], keep_old=keep_old)
         else:
             super().reload_weights(*args, **kwargs)
-        self._needs_reload = False
+        self.readiness.set(Readiness.WHOLE)
 
     def memory_in_use(self) -> dict[str, int]:
         return {

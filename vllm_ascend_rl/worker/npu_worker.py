@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from vllm_ascend_rl.readiness import Readiness
+
 _cls: type | None = None
 
 NOT_POOLED = (
@@ -103,7 +105,8 @@ def _build_class() -> type:
                 saved = {name: b.to("cpu", copy=True) for name, b in model.named_buffers()}
             freed = release_for_sleep(self, self.camem_backend, level)  # all or nothing
             if level >= 2:
-                self._saved_buffers, self._needs_reload = saved, True
+                self._saved_buffers = saved
+                self.readiness.set(Readiness.DISCARDED)
             logger.info("sleep level %d released %.1f MiB", level, freed / 2**20)
 
         def wake_up(self, tags: list[str] | None = None) -> None:
@@ -126,6 +129,8 @@ def _build_class() -> type:
 
         def discard(self, tags: tuple[str, ...]) -> None:
             self.camem_backend.discard(tags)
+            if "weights" in tags:
+                self.readiness.set(Readiness.DISCARDED)
 
     # /weight_checker (vLLM >= 0.32) calls these on every worker; NPUWorker has none of them.
     for name, method in weight_checker_methods(NPUWorker).items():

@@ -15,9 +15,9 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.device.cpu.chip import ChipMemory, StartupMemory, claim_chip, host_chip
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import RELOAD_HINT, Readiness
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 from vllm_ascend_rl.worker import (
-    RELOAD_HINT,
     SleepableMixin,
     attach_sleep_backend,
     confine_kv_pool,
@@ -129,7 +129,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
                 # /weight_checker digests through .numpy()) can never be resized again. The
                 # old storage is freed with its last reference.
                 param.set_()  # type: ignore[call-overload]
-        self._needs_reload = True
+        self.readiness.set(Readiness.DISCARDED)
         self.allocator.device.empty_cache()  # the host heap gives the storage back
 
     @torch.no_grad()
