@@ -126,6 +126,23 @@ def test_a_connect_that_returns_after_the_deadline_expires_and_closes_its_link()
     assert link.calls == ["close"]
 
 
+def test_an_init_fails_at_its_deadline_while_the_connect_still_runs():
+    """torch's rendezvous may retry past its deadline: the init fails at the deadline, not
+    when the connect gives up."""
+    conn = connection()
+    release, link = threading.Event(), RecordingLink()
+    conn.start(conn.claim("t1", 0.2), lambda deadline: release.wait(30) and link, True)
+    deadline = time.monotonic() + 10
+    while conn.state is ConnState.CONNECTING and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert conn.state is ConnState.FAILED and "within timeout_s=0.2s" in conn.why
+    assert link.calls == []  # the connect has not returned yet
+    release.set()
+    while link.calls != ["close"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert link.calls == ["close"] and conn.state is ConnState.FAILED
+
+
 def test_a_connect_a_newer_init_replaced_closes_its_link_unused():
     conn = connection()
     release, link = threading.Event(), RecordingLink()

@@ -11,11 +11,12 @@ first asked whether it is still there); the owner's own init replaces its connec
 transport's ``connect(deadline)`` runs on the worker thread (NPU IPC: the trainer counts the
 workers that said hello when its init call returns) or on the connection's own thread (HCCL:
 the engine keeps generating through the rendezvous); either way its outcome is one event,
-``expire`` if it came after ``timeout_s``. Then that thread checks every ``WATCH_TICK_S``
-whether the trainer left and, if so, closes the link: an idle engine gets no call from vLLM,
-and only a poll notices a trainer that died between updates and frees what the worker maps or
-holds for it (a TCPStore key for HCCL, the socket's end for NPU IPC). Every change happens
-under ``lock``, which the engine holds through each of vLLM's calls."""
+``connected`` or ``fail``, or ``expire`` from a timer at ``timeout_s``. Then that thread
+checks every ``WATCH_TICK_S`` whether the trainer left and, if so, closes the link: an idle
+engine gets no call from vLLM, and only a poll notices a trainer that died between updates and
+frees what the worker maps or holds for it (a TCPStore key for HCCL, the socket's end for NPU
+IPC). Every change happens under ``lock``, which the engine holds through each of vLLM's
+calls."""
 
 from __future__ import annotations
 
@@ -201,17 +202,24 @@ class Connection(Generic[L]):
     # -- connecting and watching -------------------------------------------------------
     def start(self, claim: int, connect: Callable[[float], L], background: bool) -> None:
         """Run ``connect(deadline)`` for ``claim`` here (raising its error) or on the
-        connection's thread, then watch the trainer on that thread until it leaves."""
+        connection's thread, then watch the trainer on that thread until it leaves. A timer
+        fires ``expire`` at the deadline if the connect has not settled by then (torch's
+        rendezvous may retry past it)."""
+        timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), self._expire, (claim,))
+        timer.daemon = True
+        timer.start()
         if not background:
-            self._settle(claim, connect)
-        args = (claim, connect if background else None)
+            self._settle(claim, connect, timer)
+        args = (claim, connect if background else None, timer)
         threading.Thread(target=self._run, args=args, daemon=True, name="weight-connection").start()
 
-    def _run(self, claim: int, connect: Callable[[float], L] | None) -> None:
+    def _run(
+        self, claim: int, connect: Callable[[float], L] | None, timer: threading.Timer
+    ) -> None:
         self.hw.bind_thread()
         if connect is not None:
             try:
-                self._settle(claim, connect)
+                self._settle(claim, connect, timer)
             except Exception:
                 return
         while True:
@@ -221,29 +229,29 @@ class Connection(Generic[L]):
                     return
                 self._check_peer()
 
-    def _settle(self, claim: int, connect: Callable[[float], L]) -> None:
-        """Connect, then fire the outcome, unless a newer init replaced this one meanwhile
-        (then the new link is closed unused)."""
+    def _expire(self, claim: int) -> None:
+        with self.lock:
+            if self._claim == claim and self.state is ConnState.CONNECTING:
+                self._fire(ConnEvent.EXPIRE, f"no connection within timeout_s={self.timeout_s:g}s")
+                logger.error("weight transfer init failed: %s", self.describe())
+
+    def _settle(self, claim: int, connect: Callable[[float], L], timer: threading.Timer) -> None:
+        """Connect, then fire the outcome, unless the init expired or a newer one replaced it
+        meanwhile (then the new link is closed unused)."""
         try:
             link = connect(self.deadline)
         except Exception as e:
             with self.lock:
+                timer.cancel()
                 if self._claim == claim and self.state is ConnState.CONNECTING:
-                    late = time.monotonic() > self.deadline
-                    self._fire(
-                        ConnEvent.EXPIRE if late else ConnEvent.FAIL, f"{type(e).__name__}: {e}"
-                    )
+                    self._fire(ConnEvent.FAIL, f"{type(e).__name__}: {e}")
                     logger.error("weight transfer init failed: %s", self.describe())
             raise
         with self.lock:
+            timer.cancel()
             if self._claim != claim or self.state is not ConnState.CONNECTING:
                 link.close()
-                raise NotConnected("replaced by a newer init_weight_transfer_engine")
-            if time.monotonic() > self.deadline:
-                link.close()
-                self._fire(ConnEvent.EXPIRE, f"no connection within timeout_s={self.timeout_s:g}s")
-                logger.error("weight transfer init failed: %s", self.describe())
-                raise NotConnected(self.describe())
+                raise NotConnected(f"this init is over: {self.describe()}")
             self._link = link
             self._fire(ConnEvent.CONNECTED)
             try:
