@@ -91,7 +91,8 @@ class TestNPUIPCWeightSwap(WeightSyncCases):
     backend = "ascend_rl_npu_ipc"
 
     @pytest.fixture(scope="class")
-    def chip(self, engine) -> str:
+    @classmethod
+    def chip(cls, engine) -> str:
         """The engine worker's chip, as NPU IPC names it."""
         return current_profile().chip_name(engine.chips[0])
 

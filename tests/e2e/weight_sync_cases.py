@@ -93,42 +93,49 @@ class WeightSyncServers:
 
     # -- fixtures -----------------------------------------------------------------------
     @pytest.fixture(scope="class")
-    def models(self, model_pair):
+    @classmethod
+    def models(cls, model_pair):
         return model_pair
 
     @pytest.fixture(scope="class")
-    def plugin_env(self, standin_env) -> dict[str, str]:
+    @classmethod
+    def plugin_env(cls, standin_env) -> dict[str, str]:
         """Extra environment of the engine server and the trainer process."""
         return standin_env
 
-    def trainer_env(self, plugin_env: dict[str, str], engine: VLLMServer) -> dict[str, str]:
+    @classmethod
+    def trainer_env(cls, plugin_env: dict[str, str], engine: VLLMServer) -> dict[str, str]:
         """A trainer on the engine's chip (NPU IPC) or on one of its own (HCCL)."""
-        colocated = self.backend == "ascend_rl_npu_ipc"
+        colocated = cls.backend == "ascend_rl_npu_ipc"
         return {**plugin_env, **trainer_env(engine.chips, colocated=colocated)}
 
     @pytest.fixture(scope="class")
-    def engine(self, rl_engines):
-        return rl_engines(self.backend)
+    @classmethod
+    def engine(cls, rl_engines):
+        return rl_engines(cls.backend)
 
     @pytest.fixture(scope="class")
-    def reference(self, reference_v2):
+    @classmethod
+    def reference(cls, reference_v2):
         return reference_v2
 
     @pytest.fixture(scope="class")
-    def v1_probe(self, reference_v1):
+    @classmethod
+    def v1_probe(cls, reference_v1):
         """Greedy output on the v1 weights."""
         return greedy_token_ids(reference_v1.url, PROBE, 24)
 
     @pytest.fixture(scope="class")
-    def trainer(self, models, tmp_path_factory, plugin_env, engine, v1_probe, shared_servers):
+    @classmethod
+    def trainer(cls, models, tmp_path_factory, plugin_env, engine, v1_probe, shared_servers):
         """The class's trainer; at the end it leaves the shared engine on v1 (or, if it cannot,
         has it stopped, to be started anew)."""
-        log = tmp_path_factory.mktemp(f"{self.backend}-trainer") / "trainer.log"
-        env = self.trainer_env(plugin_env, engine)
+        log = tmp_path_factory.mktemp(f"{cls.backend}-trainer") / "trainer.log"
+        env = cls.trainer_env(plugin_env, engine)
         with TrainerProcess(models[1], log_path=log, env=env) as t:
             yield t
             try:
-                self.put_on_v1(t, engine, models, v1_probe)
+                cls.put_on_v1(t, engine, models, v1_probe)
             except Exception as e:
                 print(f"the shared engine could not be put back on v1 ({e}): it is stopped")
                 shared_servers.discard(engine)
@@ -139,17 +146,19 @@ class WeightSyncServers:
         yield
         EngineControlClient(engine.url).resume()
 
-    def put_on_v1(self, trainer, engine, models, v1_probe) -> None:
+    @classmethod
+    def put_on_v1(cls, trainer, engine, models, v1_probe) -> None:
         """Resume the engine and sync v1 weights into it; the trainer keeps holding v2."""
         EngineControlClient(engine.url).resume()
-        self.init(trainer, engine)
+        cls.init(trainer, engine)
         trainer.load(models[0])
         trainer.send(weight_version="v1")
         trainer.load(models[1])
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
 
-    def init(self, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
-        init_trainer(self.backend, trainer, engine, **kw)
+    @classmethod
+    def init(cls, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
+        init_trainer(cls.backend, trainer, engine, **kw)
 
     @staticmethod
     def assert_alive_and_intact(engine: VLLMServer, v1_probe: list[int]) -> None:
