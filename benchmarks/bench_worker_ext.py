@@ -1,8 +1,9 @@
 """Worker extension for benchmarks (``--worker-extension-cls``), reached through
 ``POST /collective_rpc`` (string arguments): transfers on the weight-transfer engine's own
 connection that skip loading, and loads that skip the transport, so a benchmark separates
-the transport from vLLM's layerwise reload. They use the engines' own handshake (``agree``),
-bucket stream (``buckets``) and update session, and are not part of the package."""
+the transport from vLLM's layerwise reload. They use the engine's own link to its trainer
+(its handshake, ``agree``, and bucket stream, ``buckets``) and update session, and are not part
+of the package."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ class WeightSyncBenchExtension:
             buf = self._bench_raw_buf = torch.zeros(
                 int(nbytes), dtype=torch.uint8, device=engine.device
             )
-        t0 = time.perf_counter()
-        engine.channel.wait(engine.channel.broadcast(buf), "raw benchmark broadcast")
-        return time.perf_counter() - t0
+        with engine.lock:
+            channel = engine.connection.link().channel
+            t0 = time.perf_counter()
+            channel.wait(channel.broadcast(buf), "raw benchmark broadcast")
+            return time.perf_counter() - t0
 
     def bench_receive_discard(self, update_info: str, keep: str = "") -> float:
         """One update's handshake and every bucket received, nothing loaded; seconds.
@@ -34,13 +37,15 @@ class WeightSyncBenchExtension:
         info = engine.parse_update_info(json.loads(update_info))
         plan = plan_for(engine.init_info, info.specs, engine.alone_bytes)
         kept = []
-        t0 = time.perf_counter()
-        engine.agree(Verdict.GO, None, plan, info)
-        for bucket, buf in engine.buckets(plan):
-            if keep:
-                kept.append((bucket, buf.clone()))
-            del buf  # as a real update: the transport may check the buffer was released
-        seconds = time.perf_counter() - t0
+        with engine.lock:
+            link = engine.connection.link()
+            t0 = time.perf_counter()
+            link.agree(Verdict.GO, None, plan, info)
+            for bucket, buf in link.buckets(plan):
+                if keep:
+                    kept.append((bucket, buf.clone()))
+                del buf  # as a real update: the transport may check the buffer was released
+            seconds = time.perf_counter() - t0
         if keep:  # a transport-only round must not drop what load_only replays
             self._bench_kept = kept
         return seconds
