@@ -6,6 +6,7 @@ engine code over a gloo group, in threads). NPU IPC: the trainer's ring slots ar
 
 from __future__ import annotations
 
+import json
 import threading
 import types
 
@@ -20,6 +21,7 @@ from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferEngine,
     AscendRLHCCLWeightTransferInitInfo,
+    AscendRLHCCLWeightTransferUpdateInfo,
     HCCLLink,
 )
 from vllm_ascend_rl.weight_transfer.hccl_trainer import AscendRLHCCLTrainerWeightTransferEngine
@@ -32,7 +34,7 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.npu_ipc_trainer import (
     AscendRLNPUIPCTrainerWeightTransferEngine,
 )
-from vllm_ascend_rl.weight_transfer.wire import plan_for
+from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
 
 MiB = 1 << 20
 BUCKET, BUFFERS = 1 * MiB, 2
@@ -149,3 +151,50 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         link.close()
         trainer.shutdown()
         listener.close()
+
+
+def test_the_benchmark_extension_receives_through_the_engines_link():
+    """``make bench`` times the transport through ``benchmarks/bench_worker_ext.py``, which
+    reaches into the engine (its link, its session): run it on a real engine over a gloo
+    group, so a change to the engine cannot silently break the benchmarks."""
+    from benchmarks.bench_worker_ext import WeightSyncBenchExtension
+
+    tensors = _tensors()
+    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+    info = AscendRLHCCLWeightTransferInitInfo(
+        master_address="127.0.0.1",
+        master_port=1,
+        world_size=2,
+        packed_buffer_size_bytes=BUCKET,
+        packed_num_buffers=BUFFERS,
+    )
+    poll = types.SimpleNamespace(raise_if_failed=lambda: None)
+    plan = plan_for(info, specs, DIRECT_BYTES)
+
+    def body(ch):
+        if ch.rank == 0:
+            trainer = object.__new__(AscendRLHCCLTrainerWeightTransferEngine)
+            trainer.channel, trainer.init_info = ch, info
+            trainer.hw, trainer._staging = get_device("cpu"), []
+            assert trainer.agree(plan, poll) is Verdict.GO
+            trainer.send(plan, iter(tensors.items()), poll)
+            return None
+        engine = _engine(AscendRLHCCLWeightTransferEngine, info)
+        engine.init_info = info
+        connection = engine.connection
+        link = HCCLLink(ch, info, engine.session.pool)
+        connection.start(connection.claim("", 30.0), lambda deadline: link, background=False)
+        worker = WeightSyncBenchExtension()
+        worker.weight_transfer_engine = engine
+        update = AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
+        seconds = worker.bench_receive_discard(json.dumps(update), keep="1")
+        return seconds, worker._bench_kept
+
+    trainer_error, (seconds, kept) = run_ranks(2, body, timeout_s=20)
+    assert trainer_error is None and seconds > 0
+    got = {}
+    for bucket, buf in kept:
+        for spec, off in zip(bucket.specs, bucket.offsets, strict=True):
+            got.setdefault(spec.name, []).append(buf[off : off + spec.nbytes])
+    assert [b.index for b, _ in kept] == sorted({b.index for b, _ in kept})
+    assert torch.equal(got["a"][0], tensors["a"].view(-1).view(torch.uint8))
