@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -67,13 +68,7 @@ def _receive(link, plan) -> dict[str, torch.Tensor]:
     return got
 
 
-def test_pieces_cover_every_byte_once():
-    assert pieces(0, 4) == []
-    assert pieces(3, 4) == [(0, 3)]
-    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
-
-
-def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound():
+def _hccl_case() -> tuple[dict[str, torch.Tensor], list[TensorSpec], Any]:
     tensors = _tensors()
     specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
     info = AscendRLHCCLWeightTransferInitInfo(
@@ -83,6 +78,17 @@ def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound
         packed_buffer_size_bytes=BUCKET,
         packed_num_buffers=BUFFERS,
     )
+    return tensors, specs, info
+
+
+def test_pieces_cover_every_byte_once():
+    assert pieces(0, 4) == []
+    assert pieces(3, 4) == [(0, 3)]
+    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+
+
+def test_a_tensor_larger_than_the_bucket_keeps_the_receive_pool_within_its_bound():
+    tensors, specs, info = _hccl_case()
     poll = types.SimpleNamespace(raise_if_failed=lambda: None)
 
     def body(ch):
@@ -159,15 +165,7 @@ def test_the_benchmark_extension_receives_through_the_engines_link():
     group, so a change to the engine cannot silently break the benchmarks."""
     from benchmarks.bench_worker_ext import WeightSyncBenchExtension
 
-    tensors = _tensors()
-    specs = [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
-    info = AscendRLHCCLWeightTransferInitInfo(
-        master_address="127.0.0.1",
-        master_port=1,
-        world_size=2,
-        packed_buffer_size_bytes=BUCKET,
-        packed_num_buffers=BUFFERS,
-    )
+    tensors, specs, info = _hccl_case()
     poll = types.SimpleNamespace(raise_if_failed=lambda: None)
     plan = plan_for(info, specs, DIRECT_BYTES)
 
