@@ -155,7 +155,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
             self.connection.link()
             self.session.start()
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:  # type: ignore[override]
+    def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
         its error says what the model holds now."""
         with self._entered():
