@@ -51,6 +51,11 @@ class ImportedBuffer:
         self.tensor: torch.Tensor | None = tensor
         self._release = release
 
+    def open_tensor(self) -> torch.Tensor:
+        """The mapped bytes; AssertionError once closed."""
+        assert self.tensor is not None, "the buffer was closed"
+        return self.tensor
+
     def close(self) -> None:
         self.tensor = None  # drop our view first: a live view pins the mapping
         self._release()

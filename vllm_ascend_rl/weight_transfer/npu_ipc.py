@@ -153,10 +153,10 @@ class IPCLink:
         for h in handles:
             if h["id"] not in self._mapped:
                 mapped = self.hw.open_ipc_buffer(h)
-                self._mapped[h["id"]] = mapped, storage_use_count(_tensor(mapped))
+                self._mapped[h["id"]] = mapped, storage_use_count(mapped.open_tensor())
         for stale in set(self._mapped) - {h["id"] for h in handles}:
             self._mapped.pop(stale)[0].close()
-        ring = [(_tensor(m), idle) for m, idle in (self._mapped[h["id"]] for h in handles)]
+        ring = [(m.open_tensor(), idle) for m, idle in (self._mapped[h["id"]] for h in handles)]
         need = slot_bytes(plan, self.info.packed_buffer_size_bytes)
         small = min(t.numel() for t, _ in ring)
         if small < need:
@@ -202,11 +202,6 @@ class IPCLink:
                 "a loaded tensor still refers to the trainer's staging buffer: this model's "
                 "loader keeps what it is given, so init with zero_copy=False"
             )
-
-
-def _tensor(mapped: ImportedBuffer) -> torch.Tensor:
-    assert mapped.tensor is not None, "a closed mapping"
-    return mapped.tensor
 
 
 class AscendRLNPUIPCWeightTransferEngine(

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, Self
 
-import torch
 import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
@@ -77,11 +76,6 @@ def _release(ring: list[ExportedBuffer]) -> None:
     for buf in ring:
         buf.close()
     ring.clear()
-
-
-def _open(buf: ExportedBuffer) -> torch.Tensor:
-    assert buf.tensor is not None, "a ring buffer is open until the ring is released"
-    return buf.tensor
 
 
 def welcome(doorbell: Doorbell, hello: msg.Hello, wire: int, here: dict[str, str]) -> bool:
@@ -351,7 +345,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     # -- shared by every rank -------------------------------------------------------------
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
         need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
-        if not self.ring or _open(self.ring[0]).numel() < need:
+        if not self.ring or self.ring[0].open_tensor().numel() < need:
             _release(self.ring)  # exported once; replaced only if a bucket outgrows it
             self.ring.extend(
                 self.hw.create_ipc_buffer(max(need, 1))
@@ -373,7 +367,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def _stream(self, plan: list[Bucket], pairs: Pairs, poll: Poll) -> None:
         """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
         rank's workers; a slot is refilled only once every worker acknowledged it."""
-        ring, piece = [_open(b) for b in self.ring], self.init_info.packed_buffer_size_bytes
+        ring, piece = [b.open_tensor() for b in self.ring], self.init_info.packed_buffer_size_bytes
         unacknowledged: deque[int] = deque()  # bucket index of each piece, oldest first
         sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it
 
