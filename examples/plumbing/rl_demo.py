@@ -187,8 +187,11 @@ def continuation_matches(
     reference_url: str, stream: StreamingCompletion, split: int, model: str
 ) -> bool:
     """Greedy on the reference from prompt + the tokens before the pause must give exactly
-    the tokens after it."""
+    the tokens after it. A request with no tokens after the pause has nothing to check: False
+    (``report`` names why)."""
     before, after = stream.token_ids[:split], stream.token_ids[split:]
+    if not after or stream.prompt_token_ids is None:
+        return False
     prompt = stream.prompt_token_ids + before
     return greedy_token_ids(reference_url, prompt, len(after), model=model) == after
 
