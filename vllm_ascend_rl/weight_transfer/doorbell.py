@@ -10,6 +10,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import NoReturn, TypeVar
 
 from pydantic import ValidationError
@@ -136,10 +137,8 @@ class Doorbell:
 
     def close(self) -> None:
         self.broken = self.broken or "closed"
-        try:
+        with suppress(OSError):
             self.sock.close()
-        except OSError:
-            pass
 
 
 class DoorbellListener:

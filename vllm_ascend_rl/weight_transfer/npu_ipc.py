@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import field
+from itertools import cycle
 from typing import Annotated, Any, ClassVar
 
 import torch
@@ -166,29 +167,25 @@ class IPCLink:
     def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """Piece k of the update is in slot k % len(ring); a bucket larger than a slot (one
         tensor) arrives in slot-sized pieces, assembled in host memory."""
-        doorbell, ring, piece = self.doorbell, self._ring, self.info.packed_buffer_size_bytes
-        received = 0
+        doorbell, piece = self.doorbell, self.info.packed_buffer_size_bytes
+        slots = cycle(self._ring)
         for bucket in plan:
             whole = self.hw.host_buffer(bucket.nbytes) if bucket.nbytes > piece else None
             for start, n in pieces(bucket.nbytes, piece):
                 doorbell.expect(Filled, bucket.index, f"waiting for bucket {bucket.index}")
-                slot, idle = ring[received % len(ring)]
-                received += 1
-                if whole is not None:
-                    self.hw.copy_bytes(whole[start : start + n], slot[:n])
-                    self.hw.synchronize()
-                    doorbell.send(Done(id=bucket.index))
-                elif self.info.zero_copy:
+                slot, idle = next(slots)
+                if whole is None and self.info.zero_copy:
                     # Load straight from the trainer's buffer; before handing it back, copy
                     # out only what layerwise reload still holds (tensors of incomplete layers).
                     yield bucket, slot[:n]
                     self._hand_back(slot, idle)
                     doorbell.send(Done(id=bucket.index))
-                else:
-                    out = self.session.pool.take(n)
-                    self.hw.copy_bytes(out, slot[:n])
-                    self.hw.synchronize()
-                    doorbell.send(Done(id=bucket.index))
+                    continue
+                out = self.session.pool.take(n) if whole is None else whole[start : start + n]
+                self.hw.copy_bytes(out, slot[:n])
+                self.hw.synchronize()
+                doorbell.send(Done(id=bucket.index))
+                if whole is None:
                     yield bucket, out
             if whole is not None:
                 yield bucket, whole
@@ -226,31 +223,26 @@ class AscendRLNPUIPCWeightTransferEngine(
                 f"on chips {sorted(info.doorbells)}): NPU IPC needs a trainer rank on "
                 "every chip that hosts an engine worker; use the hccl backend otherwise."
             )
-        return lambda deadline: self._connect(info, rank, here, address, deadline)
 
-    def _connect(
-        self,
-        info: AscendRLNPUIPCWeightTransferInitInfo,
-        rank: int,
-        here: dict[str, str],
-        address: str,
-        deadline: float,
-    ) -> IPCLink:
-        doorbell = Doorbell.connect(address, max(0.001, deadline - time.monotonic()))
-        doorbell.send(Hello(worker=rank, wire=wire_signature(info, None), location=here))
-        try:
-            refusal = doorbell.expect(Welcome, None, "init handshake").reason
-            if refusal is not None:
-                raise IpcHandleError(refusal)
-        except Exception:
-            doorbell.close()
-            raise
-        logger.info(
-            "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d, zero_copy=%s",
-            rank,
-            info.packed,
-            info.packed_buffer_size_bytes >> 20,
-            info.packed_num_buffers,
-            info.zero_copy,
-        )
-        return IPCLink(doorbell, info, self.hw, self.session)
+        def connect(deadline: float) -> IPCLink:
+            doorbell = Doorbell.connect(address, max(0.001, deadline - time.monotonic()))
+            try:
+                doorbell.send(Hello(worker=rank, wire=wire_signature(info, None), location=here))
+                refusal = doorbell.expect(Welcome, None, "init handshake").reason
+                if refusal is not None:
+                    raise IpcHandleError(refusal)
+            except Exception:
+                doorbell.close()
+                raise
+            logger.info(
+                "NPU-IPC weight transfer ready: worker %d, packed=%s, bucket=%d MiB x %d, "
+                "zero_copy=%s",
+                rank,
+                info.packed,
+                info.packed_buffer_size_bytes >> 20,
+                info.packed_num_buffers,
+                info.zero_copy,
+            )
+            return IPCLink(doorbell, info, self.hw, self.session)
+
+        return connect

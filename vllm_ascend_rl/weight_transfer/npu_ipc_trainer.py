@@ -20,8 +20,10 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import asdict
+from itertools import cycle
 from typing import Any, Self
 
 import torch.distributed as dist
@@ -271,11 +273,11 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             peer.send(msg.Cancel(id=self.update_id, reason=reason))
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
-        replies = self._ready(plan, update.raise_if_failed)
+        replies = self._ready(update.raise_if_failed)
         # No poll on the update call here: a worker that refused fails it at once, and the
         # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
-        verdicts = [p.expect(msg.Ready, self.update_id, "update handshake") for p in self.peers]
-        verdict, reason = _lowest([*_judged(replies, plan), *verdicts])
+        ranks = [p.expect(msg.Ready, self.update_id, "update handshake") for p in self.peers]
+        verdict, reason = _lowest(replies, plan, ranks)
         go = msg.Go(id=self.update_id, verdict=verdict, reason=reason)
         for peer in self.peers:
             peer.send(go)
@@ -294,10 +296,8 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
 
     def abort(self) -> None:
         for d in [*self.doorbells, *self.peers]:
-            try:
+            with suppress(Exception):  # already gone
                 d.send(msg.Abort(reason="the trainer gave up this update"))
-            except Exception:  # already gone
-                pass
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
@@ -311,14 +311,11 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         sender = self.peers[0]
         try:
-            match sender.recv("waiting for the sender's next update"):
-                case msg.Update(id=update_id):
-                    self.update_id = update_id
-                case other:
-                    raise WeightSyncError(f"unexpected message from the sender: {other!r}")
+            update = sender.expect(msg.Update, None, "waiting for the sender's next update")
+            self.update_id = update_id = update.id
             sender.send(msg.Ring(id=update_id, chip=self.chip, handles=self._ring_handles(plan)))
-            replies = self._ready(plan, self._watch)
-            verdict, reason = _lowest(_judged(replies, plan))
+            replies = self._ready(self._watch)
+            verdict, reason = _lowest(replies, plan)
             sender.send(msg.Ready(id=update_id, verdict=verdict, reason=reason))
             go = sender.expect(msg.Go, update_id, "waiting for the sender's verdict")
             self._go(replies, go)
@@ -353,7 +350,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             )
         return [b.handle for b in self.ring]
 
-    def _ready(self, plan: list[Bucket], poll: Poll) -> list[msg.Ready]:
+    def _ready(self, poll: Poll) -> list[msg.Ready]:
         """This rank's workers' replies, as they sent them."""
         return [
             d.expect(msg.Ready, self.update_id, "update handshake", poll) for d in self.doorbells
@@ -367,9 +364,10 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
     def _stream(self, plan: list[Bucket], pairs: Pairs, poll: Poll) -> None:
         """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
         rank's workers; a slot is refilled only once every worker acknowledged it."""
-        ring, piece = [b.open_tensor() for b in self.ring], self.init_info.packed_buffer_size_bytes
+        piece, depth = self.init_info.packed_buffer_size_bytes, len(self.ring)
+        # Piece k goes into slot k % len(ring), as the engine reads it.
+        slots = cycle([b.open_tensor() for b in self.ring])
         unacknowledged: deque[int] = deque()  # bucket index of each piece, oldest first
-        sent = 0  # pieces so far: piece k goes into slot k % len(ring), as the engine reads it
 
         def acknowledged() -> None:
             index = unacknowledged.popleft()
@@ -379,10 +377,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         for bucket, tensors in iter_bucket_tensors(plan, pairs):
             whole = as_bytes(tensors[0]) if bucket.nbytes > piece else None
             for start, n in pieces(bucket.nbytes, piece):
-                if len(unacknowledged) == len(ring):  # the next slot's piece is still read
+                if len(unacknowledged) == depth:  # the next slot's piece is still read
                     acknowledged()
-                slot = ring[sent % len(ring)][:n]
-                sent += 1
+                slot = next(slots)[:n]
                 if whole is None:
                     pack_into(slot, bucket, tensors, self.hw.copy_bytes)
                 else:
@@ -405,20 +402,16 @@ class _Cancelled(Exception):
     """The sender cancelled this update before any engine worker saw it."""
 
 
-def _judged(replies: list[msg.Ready], plan: list[Bucket]) -> list[msg.Ready]:
-    """Workers' replies as verdicts on ``plan``: a GO for other buckets refuses it."""
-    sig = plan_signature(plan)
-    other = "the worker planned other buckets"
-    return [
-        msg.Ready(id=r.id, verdict=Verdict.REFUSED, reason=other)
-        if r.verdict == Verdict.GO and r.plan != sig
-        else r
-        for r in replies
+def _lowest(
+    workers: list[msg.Ready], plan: list[Bucket], ranks: Sequence[msg.Ready] = ()
+) -> tuple[Verdict, str | None]:
+    """The lowest verdict of this rank's ``workers`` on ``plan`` (a GO for other buckets
+    refuses it) and of the other ``ranks``, and the first refusal's reason."""
+    sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
+    answers: list[tuple[Verdict, str | None]] = [
+        other if r.verdict == Verdict.GO and r.plan != sig else (r.verdict, r.reason)
+        for r in workers
     ]
-
-
-def _lowest(replies: list[msg.Ready]) -> tuple[Verdict, str | None]:
-    """The lowest verdict among ``replies`` and the first refusal's reason."""
-    verdict = min((r.verdict for r in replies), default=Verdict.GO)
-    reason = next((r.reason for r in replies if r.verdict != Verdict.GO), None)
-    return verdict, reason
+    answers += [(r.verdict, r.reason) for r in ranks]
+    verdict = min((v for v, _ in answers), default=Verdict.GO)
+    return verdict, next((why for v, why in answers if v != Verdict.GO), None)

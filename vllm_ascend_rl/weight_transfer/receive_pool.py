@@ -33,13 +33,12 @@ class ReceivePool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of ``nbytes``; always a view, so the pool can see it in use."""
         idle = [b for b, use in self.buffers if storage_use_count(b) == use]
-        fitting = [b for b in idle if b.numel() >= nbytes]
-        if fitting:
-            return min(fitting, key=lambda b: b.numel())[:nbytes]
-        # Every idle buffer is too small for this request: give them back before taking more
-        # (by identity: tensors' == is elementwise).
-        self.buffers = [e for e in self.buffers if not any(e[0] is b for b in idle)]
+        best = min((b for b in idle if b.numel() >= nbytes), key=lambda b: b.numel(), default=None)
+        if best is not None:
+            return best[:nbytes]
+        # Every idle buffer is too small for this request: give them back before taking more.
         del idle
+        self.buffers = [(b, use) for b, use in self.buffers if storage_use_count(b) != use]
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self.allocated_bytes += nbytes
         self._alive = [(ref, n) for ref, n in self._alive if ref() is not None]
