@@ -50,8 +50,7 @@ def readiness_of(model: torch.nn.Module) -> ModelReadiness:
 
 def model_unready(worker: Any) -> str | None:
     """Run on a worker: why its model must not run now, or None."""
-    model = worker.model_runner.get_model()
-    return readiness_of(model).reason
+    return readiness_of(worker.model_runner.get_model()).reason
 
 
 def engine_unready(engine_core: Any) -> str | None:

@@ -140,8 +140,7 @@ class Connection(Generic[L]):
     def claim(self, trainer: str, timeout_s: float) -> int:
         """At init: refuse (ValueError, nothing changed) if another trainer owns the channel;
         else close the current link and make ``trainer`` the owner, CONNECTING."""
-        if self.state is ConnState.UP:
-            self._check_peer()
+        self._check_peer()
         live = self.state in (ConnState.CONNECTING, ConnState.UP)
         if live and self.trainer != _named(trainer):
             raise ValueError(
@@ -165,8 +164,7 @@ class Connection(Generic[L]):
 
     def link(self) -> L:
         """The owner's link, for a call that needs it; NotConnected, at once, saying why not."""
-        if self.state is ConnState.UP:
-            self._check_peer()
+        self._check_peer()
         if self._link is not None:
             return self._link
         if self.state is ConnState.NONE:

@@ -64,7 +64,6 @@ class EngineLink(Link, Protocol[U_contra]):
 
     def buckets(self, plan: list[Bucket]) -> Iterator[tuple[Bucket, torch.Tensor]]:
         """``plan``'s buckets, each as a uint8 buffer, in order."""
-        ...
 
 
 I = TypeVar("I", bound=EngineInitInfo)  # noqa: E741
@@ -116,11 +115,9 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
         refusal = self.hw.weight_update_refusal()
         if refusal:  # now, not at the first sync
             raise ValueError(refusal)
-        parallel = self.parallel_config
-        metrics.engine_worker(vllm_config, worker_index(parallel))
-        self.session = UpdateSession(
-            model, self.model_config, self.hw, parallel.world_size, self.backend
-        )
+        workers = self.parallel_config.world_size
+        metrics.engine_worker(vllm_config, worker_index(self.parallel_config))
+        self.session = UpdateSession(model, self.model_config, self.hw, workers, self.backend)
         self.lock = threading.RLock()
         self.connection: Connection[K] = Connection(self.lock, self.hw)
         self.init_info: I | None = None

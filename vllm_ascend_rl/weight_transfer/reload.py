@@ -51,8 +51,8 @@ class LayerwiseReload:
             return
         started = time.monotonic()
         try:
-            kernel = [t for layer in self._pending for t in _kernel_tensors(layer)]
-            check_host_memory(sum(t.numel() * t.element_size() for t in kernel), workers_on_host)
+            nbytes = sum(t.nbytes for layer in self._pending for t in _kernel_tensors(layer))
+            check_host_memory(nbytes, workers_on_host)
             self._backup = {layer: _LayerBackup.of(layer) for layer in self._pending}
         except BaseException:
             self.abort(model_config)  # nothing loaded yet: the old tensors go back
@@ -60,7 +60,7 @@ class LayerwiseReload:
         logger.info(
             "weight update open (on_failure=restore): %.1f MiB of old weights copied to host "
             "memory in %.2f s, to restore them if the update fails",
-            sum(h.nbytes for b in self._backup.values() for _, h in b.tensors) / (1 << 20),
+            nbytes / (1 << 20),
             time.monotonic() - started,
         )
 
@@ -80,10 +80,7 @@ class LayerwiseReload:
                 continue
             for _, bound in info.loaded_weights:
                 for key, value in bound.arguments.items():
-                    if (
-                        isinstance(value, torch.Tensor)
-                        and value.untyped_storage().data_ptr() == ptr
-                    ):
+                    if torch.is_tensor(value) and value.untyped_storage().data_ptr() == ptr:
                         bound.arguments[key] = value.clone()
                         copied += 1
         return copied

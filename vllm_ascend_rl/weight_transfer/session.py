@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+_FIGURES = ("weight_update_bytes", "weight_update_transport_seconds", "weight_update_load_seconds")
+
 
 class State(Enum):
     IDLE = "no update open"
@@ -107,7 +109,7 @@ class UpdateSession:
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
         self.cancelled: str | None = None  # why the open update was cancelled
-        self.moved = {"bytes": 0.0, "transport": 0.0, "load": 0.0}  # this update's figures
+        self.moved = dict.fromkeys(_FIGURES, 0.0)  # this update's figures (metrics)
         self.readiness = readiness_of(model)
         self._guard: RemovableHandle | None = None
 
@@ -140,15 +142,10 @@ class UpdateSession:
         unless ``hold``) and guard the forward pass."""
         if self.state is not State.IDLE:
             raise IllegalTransition(self._illegal(Event.START))
-        self.reload.begin(
-            self.model,
-            self.model_config,
-            keep_old=not self.hold,
-            workers_on_host=self.workers_on_host,
-        )
+        self.reload.begin(self.model, self.model_config, not self.hold, self.workers_on_host)
         self._go(Event.START)
         self.cancelled = None
-        self.moved = dict.fromkeys(self.moved, 0.0)
+        self.moved = dict.fromkeys(_FIGURES, 0.0)
         self._set_guard()
 
     def receive(self, version: str | None) -> None:
@@ -166,9 +163,9 @@ class UpdateSession:
         started = time.perf_counter()
         with disable_mtp_completeness_check():
             self.model.load_weights(unpack_views(buf, bucket))  # type: ignore[operator]  # torch stubs: Module.__getattr__
-        self.moved["load"] += time.perf_counter() - started
-        self.moved["transport"] += waited_s
-        self.moved["bytes"] += total_bytes(bucket.specs)  # the weights, not the padding
+        self.moved["weight_update_load_seconds"] += time.perf_counter() - started
+        self.moved["weight_update_transport_seconds"] += waited_s
+        self.moved["weight_update_bytes"] += total_bytes(bucket.specs)  # not the padding
 
     def loaded(self) -> None:
         self._go(Event.LOADED)
@@ -246,21 +243,12 @@ class UpdateSession:
         """Count the update; give the receive pool back (to the device too after a completed
         update, unless a collective may be queued); drop the guard unless the weights are not
         whole."""
-        completed = result == "ok"
         self._count(result, cause)
-        metrics.record(
-            {
-                "weight_update_bytes": self.moved["bytes"],
-                "weight_update_transport_seconds": self.moved["transport"],
-                "weight_update_load_seconds": self.moved["load"],
-            },
-            side="engine",
-            backend=self.backend,
-        )
+        metrics.record(self.moved, side="engine", backend=self.backend)
         self.version = None
         self._set_guard()
         allocated, peak = self.pool.end_update()
-        if allocated and completed and time.monotonic() >= self.hw.hang_until:
+        if allocated and result == "ok" and time.monotonic() >= self.hw.hang_until:
             self.hw.empty_cache()  # a device-wide sync: never behind a hung collective
         logger.info(
             "receive pool: %.1f MiB allocated by this update, peak %.1f MiB (bound %.1f MiB)",

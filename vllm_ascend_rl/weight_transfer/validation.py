@@ -180,9 +180,7 @@ def validate_update(
     if expected is None:
         return
     missing = [n for n, p in expected.items() if p.required and n not in seen]
-    if not missing:
-        return
-    if validation == "complete":
+    if missing and validation == "complete":
         raise WeightUpdateRefused(
             f"parameter {missing[0]!r} is missing ({len(missing)} missing in all): "
             "with validation='complete' updates must carry every checkpoint tensor"
