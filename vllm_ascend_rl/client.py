@@ -6,8 +6,9 @@ carry the server's message."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Literal
 
 import requests
@@ -40,23 +41,21 @@ class FanOutError(EngineControlError):
         undo: str | None,
         undone: dict[str, Any],
     ) -> None:
-        first = next(iter(failures.values()))
-        parts = [
-            f"{route} failed on {len(failures)} engine(s): "
-            + "; ".join(map(str, failures.values()))
-        ]
-        ok = [u for u, r in undone.items() if not isinstance(r, EngineControlError)]
-        bad = [r for r in undone.values() if isinstance(r, EngineControlError)]
-        if ok:
-            parts.append(f"{undo} sent to the engine(s) where it had taken effect: {', '.join(ok)}")
-        if bad:
-            parts.append(f"{undo} failed too: " + "; ".join(map(str, bad)))
-        RuntimeError.__init__(self, ". ".join(parts))
-        self.url, self.status, self.message = first.url, first.status, str(self)
         self.failures = failures
         self.undone = {
             u: (r if isinstance(r, EngineControlError) else None) for u, r in undone.items()
         }
+        parts = [
+            f"{route} failed on {len(failures)} engine(s): "
+            + "; ".join(map(str, failures.values()))
+        ]
+        if ok := [u for u, r in self.undone.items() if r is None]:
+            parts.append(f"{undo} sent to the engine(s) where it had taken effect: {', '.join(ok)}")
+        if bad := [r for r in self.undone.values() if r is not None]:
+            parts.append(f"{undo} failed too: " + "; ".join(map(str, bad)))
+        RuntimeError.__init__(self, ". ".join(parts))
+        first = next(iter(failures.values()))
+        self.url, self.status, self.message = first.url, first.status, str(self)
 
 
 class EnginesDisagree(RuntimeError):
@@ -80,6 +79,19 @@ def error_message(response: requests.Response) -> str:
     return str(err)
 
 
+def _each(urls: Sequence[str], call: Callable[[str], Any]) -> dict[str, Any]:
+    """``{url: call(url), or the EngineControlError it raised}``, every call at once."""
+
+    def one(url: str) -> Any:
+        try:
+            return call(url)
+        except EngineControlError as e:
+            return e
+
+    with ThreadPoolExecutor(len(urls)) as pool:
+        return dict(zip(urls, pool.map(one, urls), strict=True))
+
+
 class EngineControlClient:
     """Control one engine (a URL) or several (a list); calls fan out to all of them.
     ``node_rank != 0`` makes every call a no-op returning ``None``: the guard RL frameworks
@@ -88,14 +100,12 @@ class EngineControlClient:
     def __init__(
         self, urls: str | Sequence[str], *, node_rank: int = 0, timeout_s: float = 300.0
     ) -> None:
-        self.urls = [urls] if isinstance(urls, str) else list(urls)
+        self.urls = [u.rstrip("/") for u in ([urls] if isinstance(urls, str) else urls)]
         if not self.urls:
             raise ValueError("EngineControlClient needs at least one server URL")
-        self.urls = [u.rstrip("/") for u in self.urls]
         self.node_rank = node_rank
         self.timeout_s = timeout_s
 
-    # -- plumbing ---------------------------------------------------------------------
     def _call(
         self,
         url: str,
@@ -120,7 +130,7 @@ class EngineControlClient:
         except ValueError:
             return r.text
 
-    def _fan_out(
+    def request(
         self,
         method: str,
         route: str,
@@ -128,47 +138,27 @@ class EngineControlClient:
         json: Any = None,
         timeout_s: float | None = None,
     ) -> list[Any] | None:
-        """One call per engine, at once. All or nothing: if any engine fails, those where a
-        ``/pause`` or ``/sleep`` took effect are resumed or woken (``UNDO``), and
-        ``FanOutError`` names every failed engine; other routes just report the failures."""
+        """Any dev-mode route on every engine, at once (the router's fan-out). All or nothing:
+        if any engine fails, those where a ``/pause`` or ``/sleep`` took effect are resumed or
+        woken (``UNDO``), and ``FanOutError`` names every failed engine; other routes just
+        report the failures."""
         if self.node_rank != 0:
             return None
+        call = partial(
+            self._call, method=method, route=route, params=params, json=json, timeout_s=timeout_s
+        )
         if len(self.urls) == 1:
-            return [self._call(self.urls[0], method, route, params, json, timeout_s)]
-        outcomes = self._each(self.urls, method, route, params, json, timeout_s)
+            return [call(self.urls[0])]
+        outcomes = _each(self.urls, call)
         failed = {u: o for u, o in outcomes.items() if isinstance(o, EngineControlError)}
         if not failed:
             return [outcomes[u] for u in self.urls]
         undo = UNDO.get(route)
         done = [u for u in self.urls if u not in failed]
-        undone = self._each(done, "POST", undo) if undo and done else {}
+        undone = (
+            _each(done, partial(self._call, method="POST", route=undo)) if undo and done else {}
+        )
         raise FanOutError(route, failed, undo, undone)
-
-    def _each(
-        self,
-        urls: Sequence[str],
-        method: str,
-        route: str,
-        params: Any = None,
-        json: Any = None,
-        timeout_s: float | None = None,
-    ) -> dict[str, Any]:
-        """``{url: result or EngineControlError}`` for one call to each of ``urls``."""
-
-        def one(url: str) -> Any:
-            try:
-                return self._call(url, method, route, params, json, timeout_s)
-            except EngineControlError as e:
-                return e
-
-        with ThreadPoolExecutor(len(urls)) as pool:
-            return dict(zip(urls, pool.map(one, urls), strict=True))
-
-    def request(
-        self, method: str, route: str, params: Any = None, json: Any = None
-    ) -> list[Any] | None:
-        """Any dev-mode route on every engine, all or nothing (the router's fan-out)."""
-        return self._fan_out(method, route, params, json)
 
     def agreed(self, values: Iterable[Any], what: str) -> Any:
         """The one value every engine reported; EnginesDisagree if they differ."""
@@ -186,50 +176,48 @@ class EngineControlClient:
         the weights loaded at resume; ``clear_cache=False`` keeps their (then stale) KV cache.
         A completed pause counts in :mod:`vllm_ascend_rl.metrics` (``pause_seconds``)."""
         started = time.perf_counter()
-        self._fan_out(
+        self.request(
             "POST",
             "/pause",
             {"mode": mode, "clear_cache": str(clear_cache).lower()},
             timeout_s=timeout_s,
         )
-        took = time.perf_counter() - started
-        metrics.record({"pauses": 1, "pause_seconds": took}, mode=mode)
+        metrics.record({"pauses": 1, "pause_seconds": time.perf_counter() - started}, mode=mode)
 
     def resume(self) -> None:
-        self._fan_out("POST", "/resume")
+        self.request("POST", "/resume")
 
     def is_paused(self) -> bool | None:
-        out = self._fan_out("GET", "/is_paused")
+        out = self.request("GET", "/is_paused")
         return None if out is None else self.agreed((o["is_paused"] for o in out), "is_paused")
 
     # -- sleep / wake --------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
-        self._fan_out("POST", "/sleep", {"level": level, "mode": mode})
+        self.request("POST", "/sleep", {"level": level, "mode": mode})
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        self._fan_out("POST", "/wake_up", [("tags", t) for t in tags] if tags else None)
+        self.request("POST", "/wake_up", [("tags", t) for t in tags] if tags else None)
 
     def is_sleeping(self) -> bool | None:
-        out = self._fan_out("GET", "/is_sleeping")
+        out = self.request("GET", "/is_sleeping")
         return None if out is None else self.agreed((o["is_sleeping"] for o in out), "is_sleeping")
 
     # -- weight checks (vLLM >= 0.32's /weight_checker) ---------------------------------
     def weight_checksums(self) -> dict[str, str] | None:
         """SHA-256 of every weight tensor, keyed ``dp0:pp0:pcp0:tp0:<parameter>``, as the
         engines' workers hold them. Engines holding different weights disagree."""
-        out = self._fan_out("POST", "/weight_checker", json={"action": "checksum"})
+        out = self.request("POST", "/weight_checker", json={"action": "checksum"})
         return None if out is None else self.agreed((o["checksums"] for o in out), "weights")
 
     def weight_mismatches(self, baseline: dict[str, str]) -> list[str]:
         """Tensors whose digest differs from ``baseline`` on any engine; empty when all match."""
-        out = self._fan_out(
+        out = self.request(
             "POST", "/weight_checker", json={"action": "compare", "baseline": baseline}
         )
         return sorted({name for o in out or () for name in o["mismatches"]})
 
-    # -- misc ----------------------------------------------------------------------------
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        self._fan_out(
+        self.request(
             "POST",
             "/reset_prefix_cache",
             {"reset_running_requests": str(reset_running_requests).lower()},
@@ -237,7 +225,7 @@ class EngineControlClient:
 
     def reload_weights(self, weights_path: str) -> None:
         """Reload the weights from a checkpoint on the server's disk (vLLM's layerwise reload)."""
-        self._fan_out(
+        self.request(
             "POST",
             "/collective_rpc",
             json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
@@ -245,11 +233,11 @@ class EngineControlClient:
 
     def collective_rpc(self, method: str, **kwargs: str) -> list[list[Any]] | None:
         """``method`` on every worker of every engine (``/collective_rpc``); results per engine."""
-        out = self._fan_out("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
+        out = self.request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
         return (
             None if out is None else [o.get("results") if isinstance(o, dict) else o for o in out]
         )
 
     def world_size(self) -> int | None:
-        out = self._fan_out("GET", "/get_world_size")
+        out = self.request("GET", "/get_world_size")
         return None if out is None else self.agreed((o["world_size"] for o in out), "world_size")

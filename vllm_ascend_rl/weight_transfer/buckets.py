@@ -58,31 +58,20 @@ def plan_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     alone = bucket_bytes if alone_bytes is None else min(alone_bytes, bucket_bytes)
-    buckets: list[Bucket] = []
-    cur: list[TensorSpec] = []
-    offs: list[int] = []
-    end = 0
-
-    def flush() -> None:
-        nonlocal cur, offs, end
-        if cur:
-            buckets.append(Bucket(len(buckets), tuple(cur), tuple(offs), end))
-        cur, offs, end = [], [], 0
-
+    groups: list[tuple[list[TensorSpec], list[int]]] = []  # each bucket's specs and offsets
+    end: int | None = None  # where the open bucket ends; None: no bucket is open
     for spec in specs:
-        if spec.nbytes > alone:
-            flush()
-            buckets.append(Bucket(len(buckets), (spec,), (0,), spec.nbytes, oversized=True))
-            continue
-        start = -(-end // ALIGN_BYTES) * ALIGN_BYTES
-        if cur and start + spec.nbytes > bucket_bytes:
-            flush()
+        start = 0 if end is None else -(-end // ALIGN_BYTES) * ALIGN_BYTES
+        if end is None or spec.nbytes > alone or start + spec.nbytes > bucket_bytes:
+            groups.append(([], []))
             start = 0
-        cur.append(spec)
-        offs.append(start)
-        end = start + spec.nbytes
-    flush()
-    return buckets
+        groups[-1][0].append(spec)
+        groups[-1][1].append(start)
+        end = start + spec.nbytes if spec.nbytes <= alone else None  # alone: closed at once
+    return [
+        Bucket(i, tuple(g), tuple(offs), offs[-1] + g[-1].nbytes, oversized=g[0].nbytes > alone)
+        for i, (g, offs) in enumerate(groups)
+    ]
 
 
 def total_bytes(specs: Iterable[TensorSpec]) -> int:
@@ -131,12 +120,9 @@ def iter_bucket_tensors(
     for bucket in buckets:
         tensors = []
         for spec in bucket.specs:
-            try:
-                name, t = next(pairs)
-            except StopIteration:
-                raise ValueError(
-                    f"weight source ended early: expected {spec.name!r} next"
-                ) from None
+            if (pair := next(pairs, None)) is None:
+                raise ValueError(f"weight source ended early: expected {spec.name!r} next")
+            name, t = pair
             if name != spec.name or t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
                 raise ValueError(
                     f"weight source disagrees with its metadata: declared {spec.name!r} "
@@ -145,6 +131,5 @@ def iter_bucket_tensors(
                 )
             tensors.append(t)
         yield bucket, tensors
-    extra = next(pairs, None)
-    if extra is not None:
+    if (extra := next(pairs, None)) is not None:
         raise ValueError(f"weight source yielded {extra[0]!r} beyond its declared metadata")

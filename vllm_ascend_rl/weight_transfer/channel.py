@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -57,27 +58,19 @@ class ChannelError(RuntimeError):
     """A collective failed or timed out; the channel must be re-initialized."""
 
 
+@dataclass(eq=False)
 class BroadcastChannel:
     """A process group whose rank 0 (the trainer) broadcasts to every engine worker."""
 
-    def __init__(
-        self,
-        pg: ProcessGroup,
-        store: Store,
-        device: Device,
-        rank: int,
-        world_size: int,
-        timeout_s: float,
-        config: dict[str, int | str],
-    ) -> None:
-        self.pg: ProcessGroup | None = pg
-        self.store, self.device = store, device
-        self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
-        # How long a failed collective stays queued on the device (its HCCL exec timeout).
-        self.exec_timeout_s = exec_timeout_of(config)
-        self.address: tuple[str, int] = ("", 0)
-        self.broken: str | None = None
-        self._started: dict[int, float] = {}  # id(work) -> when the collective was issued
+    pg: ProcessGroup | None  # None once closed
+    store: Store
+    device: Device
+    rank: int
+    world_size: int
+    timeout_s: float
+    exec_timeout_s: float  # how long a failed collective stays queued on the device (HCCL's)
+    broken: str | None = None
+    _started: dict[int, float] = field(default_factory=dict)  # id(work) -> when it was issued
 
     @classmethod
     def open(
@@ -104,17 +97,13 @@ class BroadcastChannel:
                 "master_port and that world_size counts the trainer plus every engine "
                 "worker."
             ) from e
-        channel = cls(pg, store, device, rank, world_size, timeout_s, config)
-        channel.address = (host, port)
-        return channel
+        return cls(pg, store, device, rank, world_size, timeout_s, exec_timeout_of(config))
 
     def broadcast(self, tensor: torch.Tensor) -> Work:
         """Start broadcasting ``tensor`` from rank 0; returns the pending work."""
-        self._check()
-        assert self.pg is not None  # closed means broken: _check raised
         opts = BroadcastOptions()
         opts.rootRank = 0
-        return self._issued(self.pg.broadcast([tensor], opts))
+        return self._issued(self._group().broadcast([tensor], opts))
 
     def _issued(self, work: Work) -> Work:
         self._started[id(work)] = time.monotonic()
@@ -134,13 +123,12 @@ class BroadcastChannel:
                 work.wait()
                 # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
                 # the work records it, communicator errors too (ProcessGroupHCCL.cpp:807-841).
-                failure = work.exception()
+                if (failure := work.exception()) is not None:
+                    raise RuntimeError(f"the collective failed: {failure}")
             except Exception:
                 if polled is not None:  # the peer's own answer says more than the collective
                     raise polled from None
                 raise
-            if failure is not None:
-                raise polled or RuntimeError(f"the collective failed: {failure}")
         except Exception as e:
             detail = f"{type(e).__name__}: {e}"
             # The backend's own timer runs timeout_s from issue; gloo words its expiry "Timed
@@ -161,21 +149,22 @@ class BroadcastChannel:
     ) -> tuple[int, bool]:
         """All-reduce (MIN) ``[code, sig, -sig]``: (the lowest code any rank sent, whether
         every rank sent the same signature)."""
-        self._check()
+        pg = self._group()
         t = torch.tensor([code, sig, -sig], dtype=torch.int32, device=self.device.torch_device())
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.MIN  # type: ignore[assignment]  # torch stubs: RedOpType
-        assert self.pg is not None  # closed means broken: _check raised
-        self.wait(self._issued(self.pg.allreduce([t], opts)), what, poll, timeout_s)
+        self.wait(self._issued(pg.allreduce([t], opts)), what, poll, timeout_s)
         lowest, lo, neg_hi = (int(v) for v in t.cpu())
         return lowest, lo == -neg_hi
 
-    def _check(self) -> None:
-        if self.broken:
+    def _group(self) -> ProcessGroup:
+        """The group, unless the channel is broken (closing breaks it)."""
+        if self.broken or self.pg is None:
             raise ChannelError(
                 f"weight-transfer channel is broken ({self.broken}); call "
                 "init_weight_transfer_engine again"
             )
+        return self.pg
 
     def mark_up(self) -> None:
         """Engine side: this rank has installed the channel (:meth:`wait_up`)."""

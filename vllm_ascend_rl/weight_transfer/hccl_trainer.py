@@ -152,9 +152,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         lowest, same = self.channel.agree(
             Verdict.GO, plan_signature(plan), "update handshake", update.raise_if_failed
         )
-        if lowest != Verdict.GO:  # a refusal's plan need not match
-            return Verdict(lowest)
-        return Verdict.GO if same else Verdict.REFUSED
+        return Verdict.GO if lowest == Verdict.GO and same else Verdict.REFUSED
 
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers

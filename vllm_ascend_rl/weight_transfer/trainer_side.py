@@ -89,10 +89,9 @@ class BackgroundCall:
         self._result: Any = None
         self.error: BaseException | None = None
         self._done = threading.Event()
-        self._thread = threading.Thread(
+        threading.Thread(
             target=self._run, args=(fn, args), daemon=True, name=f"weight-sync-{what}"
-        )
-        self._thread.start()
+        ).start()
 
     def _run(self, fn: Callable[..., Any], args: tuple) -> None:
         try:
