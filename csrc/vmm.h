@@ -6,7 +6,6 @@
 
 #include <stddef.h>
 #include <stdint.h>
-#include <sys/types.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -40,12 +39,6 @@ extern const VmmBackend vmm_host_backend;
 #ifdef VLLM_ASCEND_RL_WITH_ACL
 extern const VmmBackend vmm_acl_backend;
 #endif
-
-// The pluggable-allocator entry points, over any back end (vmm_entry.cpp): they record in and
-// remove from the allocation table (vmm_table.h) and never enter Python. torch_npu calls the ACL
-// pair through NPUPluggableAllocator; the host pair exists so CI runs the same code.
-void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device);
-void vmm_entry_free(const VmmBackend* b, void* ptr, int device);
 
 #ifdef __cplusplus
 }

@@ -1,7 +1,6 @@
-// ACL back end of vmm.h (CANN virtual memory) and the entry points torch_npu's
-// NPUPluggableAllocator calls. Built only with CANN; CI compiles it against
-// tests/support/acl_decls/ (a verbatim subset of CANN 9.1.0's headers). Not yet run on
-// Ascend hardware. Every ACL call and argument is recorded, with the header and document it
+// ACL back end of vmm.h (CANN virtual memory). Built only with CANN; CI compiles it against
+// tests/support/acl_decls/ (a verbatim subset of CANN 9.1.0's headers). Not yet run on Ascend
+// hardware. Every ACL call and argument is recorded, with the header and document it
 // was checked against, in docs/ascend-conformance.md. Errors are aclError codes: VmmError in
 // vmm.py, a log line in the entry points (vmm_entry.cpp); nothing throws across the C boundary.
 #include <acl/acl.h>
@@ -104,17 +103,3 @@ extern "C" const VmmBackend vmm_acl_backend = {
     "acl",    0,       acl_granularity, acl_reserve, acl_release,     acl_create,
     acl_free, acl_map, acl_unmap,       acl_zero,    acl_synchronize, acl_describe,
 };
-
-// NPUPluggableAllocator entry points (signatures of torch_npu v2.10.0
-// torch_npu/csrc/npu/NPUPluggableAllocator.h:17-18).
-extern "C" __attribute__((visibility("default"))) void* vllm_ascend_rl_npu_malloc(ssize_t size,
-                                                                                  int device,
-                                                                                  aclrtStream) {
-  return vmm_entry_malloc(&vmm_acl_backend, size, device);
-}
-
-extern "C" __attribute__((visibility("default"))) void vllm_ascend_rl_npu_free(void* ptr, ssize_t,
-                                                                               int device,
-                                                                               aclrtStream) {
-  vmm_entry_free(&vmm_acl_backend, ptr, device);
-}

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/types.h>
 
 #include <mutex>
 #include <unordered_map>
@@ -36,17 +37,19 @@ Table& table() {
   return *t;
 }
 
-VmmEntry* find(Table& t, uint64_t addr, uint64_t id) {
-  auto it = t.entries.find(addr);
-  if (it == t.entries.end() || (id != 0 && it->second.id != id)) return nullptr;
-  return &it->second;
-}
-
 VmmStatus ok(const VmmBackend* b) { return VmmStatus{1, 0, nullptr, b}; }
-VmmStatus failed(const VmmBackend* b, const char* op, int err) {
-  return VmmStatus{1, err, op, b};
-}
+VmmStatus failed(const VmmBackend* b, const char* op, int err) { return VmmStatus{1, err, op, b}; }
 VmmStatus gone() { return VmmStatus{0, 0, nullptr, nullptr}; }
+
+// Run f(table, entry) on the entry (addr, id) under the table's mutex; gone() if there is none.
+template <typename F>
+VmmStatus with_entry(uint64_t addr, uint64_t id, F f) {
+  Table& t = table();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  auto it = t.entries.find(addr);
+  if (it == t.entries.end() || (id != 0 && it->second.id != id)) return gone();
+  return f(t, it->second);
+}
 
 // Release an entry's physical memory, recording each step as it succeeds (the mutex is held, as
 // torch_memory_saver's pause holds it across cuMemUnmap/cuMemRelease).
@@ -62,14 +65,28 @@ VmmStatus unmap(VmmEntry& e) {
 
 VmmStatus release_physical(VmmEntry& e) {
   const VmmBackend* b = e.backend;
-  int err;
   VmmStatus st = unmap(e);
-  if (st.err != 0) return st;
-  if (e.handle != 0) {
-    uint64_t handle = e.handle;
-    e.handle = 0;  // a host handle number or an ACL handle is never freed twice
-    if ((err = b->free_handle(handle, e.device)) != 0) return failed(b, "free", err);
+  if (st.err != 0 || e.handle == 0) return st;
+  uint64_t handle = e.handle;
+  e.handle = 0;  // a host handle number or an ACL handle is never freed twice
+  int err = b->free_handle(handle, e.device);
+  return err != 0 ? failed(b, "free", err) : st;
+}
+
+// vmm_table_wake's work (vmm_table.h). A back end sets a handle only when `create` succeeds.
+VmmStatus map(VmmEntry& e, int populate) {
+  const VmmBackend* b = e.backend;
+  if (e.mapped) return ok(b);
+  bool created = e.handle == 0;
+  int err;
+  if (created && (err = b->create(e.size, e.device, populate, &e.handle)) != 0) {
+    return failed(b, "create", err);
   }
+  if ((err = b->map(e.addr, e.size, e.handle, populate, e.device)) != 0) {
+    if (created) release_physical(e);  // not mapped: this only frees the new handle
+    return failed(b, "map", err);
+  }
+  e.mapped = 1;
   return ok(b);
 }
 
@@ -78,15 +95,44 @@ void log_failure(const VmmBackend* b, const char* op, uint64_t va, int err) {
           static_cast<unsigned long long>(va), err, b->describe(err));
 }
 
-// Take the entry at `va` out of the table; false if `b` made none there.
-bool take(const VmmBackend* b, uint64_t va, VmmEntry* out) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.entries.find(va);
-  if (it == t.entries.end() || it->second.backend != b) return false;
-  *out = it->second;
-  t.entries.erase(it);
-  return true;
+// Reserve a range, back it with populated physical memory, map it, and record it with the
+// current tag. nullptr on any failure (torch then reports out-of-memory).
+void* entry_malloc(const VmmBackend* b, ssize_t size, int device) {
+  if (size <= 0) return nullptr;
+  VmmEntry e{};
+  VmmStatus st = vmm_table_allocate(b, static_cast<uint64_t>(size), device, 1, nullptr, &e);
+  if (st.err != 0) {
+    log_failure(b, st.op, 0, st.err);
+    return nullptr;
+  }
+  return reinterpret_cast<void*>(e.addr);
+}
+
+// Take the allocation out of the table, then give back whatever it still holds (one asleep has
+// no mapping and no physical memory), as torch_memory_saver's free does. The device is drained
+// first: work still queued on it may read or write this memory, and unmapping under it faults.
+void entry_free(const VmmBackend* b, void* ptr) {
+  uint64_t va = reinterpret_cast<uint64_t>(ptr);
+  VmmEntry e{};
+  VmmStatus taken = with_entry(va, 0, [&](Table& t, VmmEntry& found) {
+    if (found.backend != b) return gone();
+    e = found;
+    t.entries.erase(va);
+    return ok(b);
+  });
+  if (!taken.found) {  // not ours: leak rather than corrupt
+    fprintf(stderr, "vllm_ascend_rl: %s free of 0x%llx, which the sleep allocator did not make\n",
+            b->name, static_cast<unsigned long long>(va));
+    return;
+  }
+  int err;
+  if ((err = b->synchronize(e.device)) != 0) log_failure(b, "synchronize before free", va, err);
+  VmmStatus st = release_physical(e);
+  if (st.err != 0) {
+    log_failure(b, st.op, va, st.err);
+    if (e.mapped) return;  // still mapped: releasing the range under it would fail or corrupt
+  }
+  if ((err = b->release(va, e.size, e.device)) != 0) log_failure(b, "release", va, err);
 }
 
 }  // namespace
@@ -124,126 +170,79 @@ VmmStatus vmm_table_allocate(const VmmBackend* b, uint64_t size, int device, int
   int err = b->granularity(device, &gran);
   if (err != 0) return failed(b, "granularity", err);
   if (size == 0 || gran == 0) return failed(b, "allocate", EINVAL);
-  size_t aligned = (size + gran - 1) / gran * gran;
-  uint64_t va = 0, handle = 0;
-  if ((err = b->reserve(aligned, device, &va)) != 0) return failed(b, "reserve", err);
-  if ((err = b->create(aligned, device, populate, &handle)) != 0) {
-    b->release(va, aligned, device);
-    return failed(b, "create", err);
-  }
+  VmmEntry e{b, 0, (size + gran - 1) / gran * gran, 0, 0, device, 0, {}};
+  if ((err = b->reserve(e.size, device, &e.addr)) != 0) return failed(b, "reserve", err);
   // Populated: a shortage fails this call (torch reports out-of-memory), not a later touch.
-  if ((err = b->map(va, aligned, handle, populate, device)) != 0) {
-    b->free_handle(handle, device);
-    b->release(va, aligned, device);
-    return failed(b, "map", err);
-  }
+  VmmStatus st = map(e, populate);
   try {
-    Table& t = table();
-    std::lock_guard<std::mutex> lock(t.mutex);
-    VmmEntry e{b, va, aligned, handle, t.next_id++, device, 1, {}};
-    copy_tag(e.tag, tag != nullptr ? tag : t.tag);
-    *out = e;
-    t.entries[va] = e;
-  } catch (...) {  // out of host memory: memory the table does not know could never be released
-    b->unmap(va, aligned, device);
-    b->free_handle(handle, device);
-    b->release(va, aligned, device);
-    return failed(b, "record (out of host memory)", ENOMEM);
-  }
-  return ok(b);
-}
-
-VmmStatus vmm_table_sleep(uint64_t addr, uint64_t id) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  VmmEntry* e = find(t, addr, id);
-  return e == nullptr ? gone() : release_physical(*e);
-}
-
-VmmStatus vmm_table_unmap(uint64_t addr, uint64_t id) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  VmmEntry* e = find(t, addr, id);
-  return e == nullptr ? gone() : unmap(*e);
-}
-
-VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);  // held across the calls, as torch_memory_saver's
-                                               // resume holds it across cuMemCreate/cuMemMap
-  VmmEntry* e = find(t, addr, id);
-  if (e == nullptr) return gone();
-  const VmmBackend* b = e->backend;
-  if (e->mapped) return ok(b);
-  bool created = e->handle == 0;
-  int err;
-  if (created && (err = b->create(e->size, e->device, populate, &e->handle)) != 0) {
-    e->handle = 0;
-    return failed(b, "create", err);
-  }
-  if ((err = b->map(e->addr, e->size, e->handle, populate, e->device)) != 0) {
-    if (created) {
-      uint64_t handle = e->handle;
-      e->handle = 0;
-      b->free_handle(handle, e->device);
+    if (st.err == 0) {
+      Table& t = table();
+      std::lock_guard<std::mutex> lock(t.mutex);
+      e.id = t.next_id++;
+      copy_tag(e.tag, tag != nullptr ? tag : t.tag);
+      t.entries[e.addr] = e;
+      *out = e;
     }
-    return failed(b, "map", err);
+  } catch (...) {  // out of host memory: memory the table does not know could never be released
+    st = failed(b, "record (out of host memory)", ENOMEM);
   }
-  e->mapped = 1;
-  return ok(b);
-}
-
-VmmStatus vmm_table_free(uint64_t addr, uint64_t id) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  VmmEntry* e = find(t, addr, id);
-  if (e == nullptr) return gone();
-  VmmStatus st = release_physical(*e);
-  if (st.err != 0) return st;
-  int err = e->backend->release(e->addr, e->size, e->device);
-  if (err != 0) return failed(e->backend, "release", err);
-  t.entries.erase(addr);
+  if (st.err != 0) {
+    release_physical(e);
+    b->release(e.addr, e.size, device);
+  }
   return st;
 }
 
+VmmStatus vmm_table_sleep(uint64_t addr, uint64_t id) {
+  return with_entry(addr, id, [](Table&, VmmEntry& e) { return release_physical(e); });
+}
+
+VmmStatus vmm_table_unmap(uint64_t addr, uint64_t id) {
+  return with_entry(addr, id, [](Table&, VmmEntry& e) { return unmap(e); });
+}
+
+// The table's mutex is held across the calls, as torch_memory_saver's resume holds it across
+// cuMemCreate/cuMemMap.
+VmmStatus vmm_table_wake(uint64_t addr, uint64_t id, int populate) {
+  return with_entry(addr, id, [populate](Table&, VmmEntry& e) { return map(e, populate); });
+}
+
+VmmStatus vmm_table_free(uint64_t addr, uint64_t id) {
+  return with_entry(addr, id, [addr](Table& t, VmmEntry& e) {
+    VmmStatus st = release_physical(e);
+    if (st.err != 0) return st;
+    int err = e.backend->release(e.addr, e.size, e.device);
+    if (err != 0) return failed(e.backend, "release", err);
+    t.entries.erase(addr);
+    return st;
+  });
+}
+
 int vmm_table_retag(uint64_t addr, uint64_t id, const char* tag) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  VmmEntry* e = find(t, addr, id);
-  if (e != nullptr) copy_tag(e->tag, tag);
-  return e != nullptr;
+  auto retag = [tag](Table&, VmmEntry& e) {
+    copy_tag(e.tag, tag);
+    return ok(e.backend);
+  };
+  return with_entry(addr, id, retag).found;
 }
 
-// Reserve a range, back it with populated physical memory, map it, and record it with the
-// current tag. nullptr on any failure (torch then reports out-of-memory).
-extern "C" void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device) {
-  if (size <= 0) return nullptr;
-  VmmEntry e{};
-  VmmStatus st = vmm_table_allocate(b, static_cast<uint64_t>(size), device, 1, nullptr, &e);
-  if (st.err != 0) {
-    log_failure(b, st.op, 0, st.err);
-    return nullptr;
-  }
-  return reinterpret_cast<void*>(e.addr);
+// The pluggable-allocator entry points: torch_npu's NPUPluggableAllocator calls the ACL pair
+// (signatures of torch_npu v2.10.0 torch_npu/csrc/npu/NPUPluggableAllocator.h:17-18, where the
+// last argument is an aclrtStream, a void*), CI the host pair through ctypes.
+extern "C" VMM_API void* vllm_ascend_rl_host_malloc(ssize_t size, int device, void*) {
+  return entry_malloc(&vmm_host_backend, size, device);
 }
 
-// Take the allocation out of the table, then give back whatever it still holds (one asleep has
-// no mapping and no physical memory), as torch_memory_saver's free does. The device is drained
-// first: work still queued on it may read or write this memory, and unmapping under it faults.
-extern "C" void vmm_entry_free(const VmmBackend* b, void* ptr, int) {
-  uint64_t va = reinterpret_cast<uint64_t>(ptr);
-  VmmEntry e{};
-  if (!take(b, va, &e)) {  // not ours: leak rather than corrupt
-    fprintf(stderr, "vllm_ascend_rl: %s free of 0x%llx, which the sleep allocator did not make\n",
-            b->name, static_cast<unsigned long long>(va));
-    return;
-  }
-  int err;
-  if ((err = b->synchronize(e.device)) != 0) log_failure(b, "synchronize before free", va, err);
-  VmmStatus st = release_physical(e);
-  if (st.err != 0) {
-    log_failure(b, st.op, va, st.err);
-    if (e.mapped) return;  // still mapped: releasing the range under it would fail or corrupt
-  }
-  if ((err = b->release(va, e.size, e.device)) != 0) log_failure(b, "release", va, err);
+extern "C" VMM_API void vllm_ascend_rl_host_free(void* ptr, ssize_t, int, void*) {
+  entry_free(&vmm_host_backend, ptr);
 }
+
+#ifdef VLLM_ASCEND_RL_WITH_ACL
+extern "C" VMM_API void* vllm_ascend_rl_npu_malloc(ssize_t size, int device, void*) {
+  return entry_malloc(&vmm_acl_backend, size, device);
+}
+
+extern "C" VMM_API void vllm_ascend_rl_npu_free(void* ptr, ssize_t, int, void*) {
+  entry_free(&vmm_acl_backend, ptr);
+}
+#endif

@@ -38,20 +38,6 @@ std::mutex g_handles_lock;
 std::unordered_map<uint64_t, Handle> g_handles;
 uint64_t g_next_handle = 1;  // never 0: the entry points read 0 as "no handle"
 
-bool find_handle(uint64_t handle, Handle* out) {
-  std::lock_guard<std::mutex> lock(g_handles_lock);
-  auto it = g_handles.find(handle);
-  if (it == g_handles.end()) return false;
-  *out = it->second;
-  return true;
-}
-
-void set_pages_at(uint64_t handle, uint64_t addr) {
-  std::lock_guard<std::mutex> lock(g_handles_lock);
-  auto it = g_handles.find(handle);
-  if (it != g_handles.end()) it->second.pages_at = addr;
-}
-
 // Give the pages of [addr, addr + size) back to the kernel; the range stays reserved.
 int drop_pages(uint64_t addr, size_t size) {
   void* p = mmap(reinterpret_cast<void*>(addr), size, PROT_NONE,
@@ -95,14 +81,11 @@ int host_create(size_t size, int, int populate, uint64_t* handle) {
 }
 
 int host_free(uint64_t handle, int) {
-  Handle h{};
-  {
-    std::lock_guard<std::mutex> lock(g_handles_lock);
-    auto it = g_handles.find(handle);
-    if (it == g_handles.end()) return EBADF;
-    h = it->second;
-    g_handles.erase(it);
-  }
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  auto it = g_handles.find(handle);
+  if (it == g_handles.end()) return EBADF;
+  Handle h = it->second;
+  g_handles.erase(it);
   return h.pages_at != 0 ? drop_pages(h.pages_at, h.size) : 0;
 }
 
@@ -125,24 +108,20 @@ int populate_chunk(char* p, size_t size) {
 }
 
 // Zeroing the pages is the cost, and one core does it well below memory bandwidth: large
-// ranges are populated by a few threads, one chunk each.
-int populate_range(void* p, size_t size) {
+// ranges are populated by a few threads, one chunk each (the calling thread takes the first).
+int populate_range(char* p, size_t size) {
   constexpr size_t kMinChunk = 64ul << 20;
   size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   size_t threads = std::min<size_t>({std::max(1u, std::thread::hardware_concurrency()), 8,
                                      std::max<size_t>(1, size / kMinChunk)});
-  if (threads == 1) return populate_chunk(static_cast<char*>(p), size);
   size_t chunk = (size / threads + page - 1) / page * page;
   std::vector<int> errs(threads, 0);
   std::vector<std::thread> pool;
-  for (size_t i = 0; i < threads; ++i) {
-    size_t off = i * chunk;
-    if (off >= size) break;
-    size_t len = std::min(chunk, size - off);
-    pool.emplace_back([&errs, i, p, off, len] {
-      errs[i] = populate_chunk(static_cast<char*>(p) + off, len);
-    });
+  for (size_t off = chunk; off < size; off += chunk) {
+    int* err = &errs[off / chunk];
+    pool.emplace_back([=] { *err = populate_chunk(p + off, std::min(chunk, size - off)); });
   }
+  errs[0] = populate_chunk(p, std::min(chunk, size));
   for (auto& t : pool) t.join();
   for (int e : errs) {
     if (e != 0) return e;
@@ -150,9 +129,12 @@ int populate_range(void* p, size_t size) {
   return 0;
 }
 
+// Under the handles' lock throughout: a handle freed meanwhile cannot leave its pages behind.
 int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int) {
-  Handle h{};
-  if (!find_handle(handle, &h)) return EBADF;
+  std::lock_guard<std::mutex> lock(g_handles_lock);
+  auto it = g_handles.find(handle);
+  if (it == g_handles.end()) return EBADF;
+  Handle& h = it->second;
   if (size > h.size) return EINVAL;
   void* want = reinterpret_cast<void*>(addr);
   if (h.pages_at == addr) {  // mapped here before: the same pages, the same contents
@@ -164,12 +146,12 @@ int host_map(uint64_t addr, size_t size, uint64_t handle, int populate, int) {
   void* p = mmap(want, size, PROT_READ | PROT_WRITE,
                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) return errno;
-  int err = p == want ? (populate ? populate_range(p, size) : 0) : EFAULT;
+  int err = populate ? populate_range(static_cast<char*>(p), size) : 0;  // MAP_FIXED: p is addr
   if (err != 0) {
     drop_pages(addr, size);  // never leave a half-made mapping behind
     return err;
   }
-  set_pages_at(handle, addr);
+  h.pages_at = addr;
   return 0;
 }
 
@@ -189,14 +171,3 @@ extern "C" const VmmBackend vmm_host_backend = {
     "host",    1,          host_granularity, host_reserve,     host_release,  host_create,
     host_free, host_map,   host_unmap,       host_zero,        host_synchronize, host_describe,
 };
-
-extern "C" __attribute__((visibility("default"))) void* vllm_ascend_rl_host_malloc(ssize_t size,
-                                                                                   int device,
-                                                                                   void*) {
-  return vmm_entry_malloc(&vmm_host_backend, size, device);
-}
-
-extern "C" __attribute__((visibility("default"))) void vllm_ascend_rl_host_free(void* ptr, ssize_t,
-                                                                                int device, void*) {
-  vmm_entry_free(&vmm_host_backend, ptr, device);
-}

@@ -45,9 +45,12 @@ class _Backend(Structure):  # VmmBackend, vmm.h
     ]
 
 
+_BackendP = POINTER(_Backend)
+
+
 class _Entry(Structure):  # VmmEntry, vmm_table.h
     _fields_ = [
-        ("backend", POINTER(_Backend)),
+        ("backend", _BackendP),
         ("addr", u64),
         ("size", u64),
         ("handle", u64),
@@ -63,20 +66,16 @@ class _Status(Structure):  # VmmStatus, vmm_table.h
         ("found", c_int32),
         ("err", c_int32),
         ("op", c_char_p),
-        ("backend", POINTER(_Backend)),
+        ("backend", _BackendP),
     ]
 
 
 _lib = ctypes.CDLL(LIBRARY)
 for _name, _res, _args in (
-    ("vmm_backend", POINTER(_Backend), [c_char_p]),
+    ("vmm_backend", _BackendP, [c_char_p]),
     ("vmm_table_set_tag", None, [c_char_p, c_char_p]),
-    ("vmm_table_entries", c_size_t, [POINTER(_Backend), POINTER(_Entry), c_size_t]),
-    (
-        "vmm_table_allocate",
-        _Status,
-        [POINTER(_Backend), u64, c_int, c_int, c_char_p, POINTER(_Entry)],
-    ),
+    ("vmm_table_entries", c_size_t, [_BackendP, POINTER(_Entry), c_size_t]),
+    ("vmm_table_allocate", _Status, [_BackendP, u64, c_int, c_int, c_char_p, POINTER(_Entry)]),
     ("vmm_table_sleep", _Status, [u64, u64]),
     ("vmm_table_unmap", _Status, [u64, u64]),
     ("vmm_table_wake", _Status, [u64, u64, c_int]),
@@ -102,7 +101,7 @@ def _tag(tag: str) -> bytes:
     return raw
 
 
-def _backend(name: str) -> POINTER(_Backend):
+def _backend(name: str) -> _BackendP:
     found = _lib.vmm_backend(name.encode())
     if not found:
         raise ValueError(f"VMM back end {name!r} is not built in this extension")
@@ -117,8 +116,7 @@ def _check(backend, op: str, err: int) -> None:
 
 def _found(status: _Status) -> bool:
     """False if the entry is gone, VmmError if a back-end call failed, else True."""
-    if status.found:
-        _check(status.backend, status.op.decode() if status.op else "", status.err)
+    _check(status.backend, (status.op or b"").decode(), status.err)  # err is 0 if not found
     return bool(status.found)
 
 
@@ -177,10 +175,8 @@ def table_entries(backend: str) -> list[tuple]:
 def table_allocate(backend: str, size: int, tag: str, device: int = 0, populate=True) -> tuple:
     """Reserve, back and map; recorded in the table. Returns the entry."""
     entry = _Entry()
-    status = _lib.vmm_table_allocate(
-        _backend(backend), _u64(size), device, populate, _tag(tag), ctypes.byref(entry)
-    )
-    _found(status)
+    b = _backend(backend)
+    _found(_lib.vmm_table_allocate(b, _u64(size), device, populate, _tag(tag), ctypes.byref(entry)))
     return _row(entry)
 
 

@@ -68,10 +68,11 @@ def worker_cls(monkeypatch):
     sys.modules["vllm_ascend.worker.worker"].NPUWorker = _MockNPUWorker
     import vllm_ascend_rl.worker.npu_worker as npu_worker
 
-    monkeypatch.setattr(npu_worker, "_cls", None)
+    npu_worker._build_class.cache_clear()  # built on this test's mock
     # The ACL back end is hardware; the host back end stands in for it.
     monkeypatch.setattr(CaMemAllocator, "_instance", CaMemAllocator("host"))
-    return resolve_obj_by_qualname("vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker")
+    yield resolve_obj_by_qualname("vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker")
+    npu_worker._build_class.cache_clear()
 
 
 def _config(enable_sleep_mode: bool = False):

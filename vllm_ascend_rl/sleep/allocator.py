@@ -77,7 +77,8 @@ class CaMemAllocator:
                         "the sleep allocator is created by the worker once its device is known "
                         "(after init_device); nothing created it yet"
                     )
-                cls._instance = cls(backend or _default_backend(), device=device)
+                default = "acl" if device_kind() == "npu" else "host"
+                cls._instance = cls(backend or default, device=device)
             inst = cls._instance
             if (device is not None and device != inst.device_index) or (
                 backend is not None and backend != inst.backend
@@ -127,15 +128,12 @@ class CaMemAllocator:
         """The table's entries of this back end by address, as read now."""
         return {a.addr: a for a in self._entries()}
 
-    def allocate(
-        self, nbytes: int, tag: str = DEFAULT_TAG, device: int | None = None, populate: bool = True
-    ) -> Allocation:
+    def allocate(self, nbytes: int, tag: str = DEFAULT_TAG, populate: bool = True) -> Allocation:
         """Reserve, back and map ``nbytes`` (rounded up to the granularity) tagged ``tag``; all
         or nothing. ``populate`` commits it now, so a shortage raises here."""
-        device = self.device_index if device is None else device
+        args = (self.backend, max(nbytes, 1), tag, self.device_index, populate)
         with self._lock:
-            row = self._call("table_allocate", self.backend, max(nbytes, 1), tag, device, populate)
-            return self._snapshot(*row)
+            return self._snapshot(*self._call("table_allocate", *args))
 
     def tensor(self, alloc: Allocation, nbytes: int | None = None, owned: bool = False):
         """A uint8 CPU tensor over a host-back-end allocation. ``owned``: the allocation is
@@ -196,15 +194,13 @@ class CaMemAllocator:
     # -- sleep / wake ----------------------------------------------------------------
     def sleep(self, offload_tags: Iterable[str] | str | None = None) -> None:
         """Back up ``offload_tags`` to host memory, then release the physical memory of every
-        awake allocation but ``sleep_persistent`` (addresses stay reserved). Drains the device
-        first, or queued work could write after the backup or touch unmapped memory. All or
-        nothing (:meth:`_release`). Nothing may free them through the entry points meanwhile
-        (torch_npu frees a pool's segments only once the pool is gone; device/npu.py keeps
-        every pool)."""
+        awake allocation but ``sleep_persistent`` (addresses stay reserved), the device drained
+        first. All or nothing (:meth:`_release`). Nothing may free them through the entry
+        points meanwhile (torch_npu frees a pool's segments only once the pool is gone;
+        device/npu.py keeps every pool)."""
         offload = _tags(offload_tags) or set()
         with self._lock:
             victims = [a for a in self._entries() if a.mapped and a.tag != PERSISTENT_TAG]
-            self._drain(victims)
             self._release(victims, offload, f"sleep (offloading {sorted(offload) or 'nothing'})")
 
     def wake_up(self, tags: Iterable[str] | str | None = None) -> None:
@@ -225,13 +221,16 @@ class CaMemAllocator:
                         self._restore(alloc)
             except Exception as e:
                 for alloc in woken:
-                    self._undo_wake(alloc)
+                    self._quietly("rolling back a failed wake", "table_sleep", alloc)
                 raise SleepError(
                     f"wake_up({sorted(wanted) if wanted else 'all'}) failed and was rolled "
                     f"back: {type(e).__name__}: {e}"
                 ) from e
-            for alloc in woken:
-                self._backups_done(alloc.addr)
+            for alloc in woken:  # the backups are outdated, and dropped unless keep_backups
+                if self.keep_backups:
+                    self._outdate_backup(alloc.addr)
+                else:
+                    self._backups.pop(alloc.addr, None)
 
     def discard(self, tags: Iterable[str] | str) -> None:
         """Release ``tags`` without keeping their contents; they wake zero-filled. A backup of
@@ -240,9 +239,7 @@ class CaMemAllocator:
         wanted = _tags(tags) or set()
         with self._lock:
             chosen = [a for a in self._entries() if a.tag in wanted and a.tag != PERSISTENT_TAG]
-            awake = [a for a in chosen if a.mapped]
-            self._drain(awake)
-            self._release(awake, set(), f"discard({sorted(wanted)})")
+            self._release([a for a in chosen if a.mapped], set(), f"discard({sorted(wanted)})")
             for alloc in chosen:
                 if not alloc.mapped and alloc.has_backup:
                     logger.warning(
@@ -296,13 +293,6 @@ class CaMemAllocator:
         if (backup := self._backups.get(addr)) is not None:
             backup.current = False
 
-    def _backups_done(self, addr: int) -> None:
-        """After a wake: the backup is outdated, and dropped unless ``keep_backups``."""
-        if self.keep_backups:
-            self._outdate_backup(addr)
-        else:
-            self._backups.pop(addr, None)
-
     def _restore(self, alloc: Allocation) -> None:
         """Fill a just-woken allocation: its backup if current, else zeros."""
         if alloc.has_backup:
@@ -311,13 +301,16 @@ class CaMemAllocator:
             self._call("zero", self.backend, alloc.addr, alloc.size, alloc.device)
 
     def _release(self, victims: list[Allocation], offload: set[str], what: str) -> None:
-        """Release the victims' physical memory, those tagged in ``offload`` backed up first.
-        All or nothing: every backup is taken and every victim unmapped with its physical
-        memory kept before any is freed; a failure at any of them maps back what was unmapped
-        (the same memory, contents as they were) and raises SleepError: still awake. vLLM marks
-        the executor asleep only if the call returns (``executor/abstract.py``, sleep), so a
-        half-done sleep would let ``/wake_up`` resume generation on unmapped memory. A free
-        that fails after that is logged, never raised: the allocation is asleep either way."""
+        """Drain the device (queued work could write after the backup or touch unmapped
+        memory), then release the victims' physical memory, those tagged in ``offload`` backed
+        up first. All or nothing: every backup is taken and every victim unmapped with its
+        physical memory kept before any is freed; a failure at any of them maps back what was
+        unmapped (the same memory, contents as they were) and raises SleepError: still awake.
+        vLLM marks the executor asleep only if the call returns (``executor/abstract.py``,
+        sleep), so a half-done sleep would let ``/wake_up`` resume generation on unmapped
+        memory. A free that fails after that is logged, never raised: asleep either way."""
+        for index in sorted({a.device for a in victims}):
+            self._hw(index).synchronize()
         kept = [a for a in victims if a.tag in offload]
         backed_up: list[Allocation] = []
         unmapped: list[Allocation] = []
@@ -333,7 +326,8 @@ class CaMemAllocator:
                 step, at, steps = "backing up", len(backed_up), len(kept)
             else:
                 step, at, steps = "unmapping", len(unmapped), len(victims)
-            lost = [a for a in unmapped if not self._map_back(a)]
+            back = "rolling back a failed sleep: stays unmapped"
+            lost = [a for a in unmapped if not self._quietly(back, "table_wake", a, False)]
             for alloc in kept:
                 self._outdate_backup(alloc.addr)
             state = "every allocation is mapped as it was"
@@ -346,37 +340,26 @@ class CaMemAllocator:
         for alloc in victims:
             if alloc.tag not in offload:
                 self._outdate_backup(alloc.addr)
-            try:
-                self._call("table_sleep", alloc.addr, alloc.id)
-            except SleepError as e:  # unmapped, its handle forgotten: asleep, memory leaked
-                logger.error("%s: 0x%x is asleep, its memory not freed: %s", what, alloc.addr, e)
+            # Unmapped, its handle forgotten if this fails: asleep either way, memory leaked.
+            self._quietly(f"{what}: asleep, its memory not freed", "table_sleep", alloc)
 
-    def _map_back(self, alloc: Allocation) -> bool:
-        """Map an allocation a failed sleep unmapped (its own physical memory); False if not."""
+    def _quietly(self, what: str, op: str, alloc: Allocation, *args: Any) -> bool:
+        """``op`` on ``alloc``'s entry; a SleepError is logged as ``what`` and gives False: the
+        caller's outcome stands (a rollback reports the original failure)."""
         try:
-            self._call("table_wake", alloc.addr, alloc.id, False)
+            self._call(op, alloc.addr, alloc.id, *args)
         except SleepError as e:
-            logger.error("rolling back a failed sleep: 0x%x stays unmapped: %s", alloc.addr, e)
+            logger.error("%s at 0x%x: %s", what, alloc.addr, e)
             return False
         return True
-
-    def _drain(self, allocations: Iterable[Allocation]) -> None:
-        for index in sorted({a.device for a in allocations}):
-            self._hw(index).synchronize()
-
-    def _undo_wake(self, alloc: Allocation) -> None:
-        try:
-            self._call("table_sleep", alloc.addr, alloc.id)
-        except SleepError as e:  # reported; the original failure is what the caller sees
-            logger.error("rolling back a failed wake at 0x%x: %s", alloc.addr, e)
 
     def _call(self, op: str, *args):
         """``self.vmm.op(*args)``, a VmmError raised as SleepError naming the failed call."""
         try:
             return getattr(self.vmm, op)(*args)
         except self.vmm.VmmError as e:
-            code, message = e.args[:2] if len(e.args) >= 2 else (None, str(e))
-            step = getattr(e, "op", "").partition(".")[2] or op
+            code, message = e.args
+            step = e.op.partition(".")[2] or op
             raise SleepError(f"{self.backend} VMM {step} failed (code {code}): {message}") from e
 
 
@@ -384,10 +367,6 @@ def _tags(tags: Iterable[str] | str | None) -> set[str] | None:
     if tags is None:
         return None
     return {tags} if isinstance(tags, str) else set(tags)
-
-
-def _default_backend() -> str:
-    return "acl" if device_kind() == "npu" else "host"
 
 
 def check_npu_alloc_conf(conf: str | None = None) -> None:

@@ -6,13 +6,10 @@ lookup, so this module imports on hosts without it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import functools
 from typing import Any
 
 from vllm_ascend_rl.readiness import Readiness
-
-_cls: type | None = None
 
 NOT_POOLED = (
     "the weights were loaded outside the sleep allocator's pool: torch_npu's allocator is "
@@ -25,21 +22,7 @@ NOT_POOLED = (
 )
 
 
-@contextmanager
-def _wrapped(obj: Any, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
-    """Replace ``obj.name`` by ``wrap(obj.name)`` inside the block, as an instance attribute:
-    the smallest hook into a method we must not copy."""
-    had, previous = name in vars(obj), vars(obj).get(name)
-    setattr(obj, name, wrap(getattr(obj, name)))
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, previous)
-        else:
-            delattr(obj, name)
-
-
+@functools.cache
 def _build_class() -> type:
     import torch
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
@@ -86,15 +69,20 @@ def _build_class() -> type:
         def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
             # Only initialize_kv_cache runs in the pool, as in vllm-ascend (worker.py:972-1001):
             # the KV connector before it and the KV-zeroing bookkeeping after it survive sleep.
-            def pooled(initialize_kv_cache: Callable) -> Callable:
-                def initialize(*a: Any, **k: Any) -> Any:
-                    with self.allocator.use_memory_pool("kv_cache"):
-                        return initialize_kv_cache(*a, **k)
+            # The hook is an instance attribute for this call only: the smallest hook into a
+            # method we must not copy (the runner's class defines the method).
+            runner = self.model_runner
+            initialize_kv_cache = runner.initialize_kv_cache
 
-                return initialize
+            def pooled(*a: Any, **k: Any) -> Any:
+                with self.allocator.use_memory_pool("kv_cache"):
+                    return initialize_kv_cache(*a, **k)
 
-            with _wrapped(self.model_runner, "initialize_kv_cache", pooled):
+            runner.initialize_kv_cache = pooled
+            try:
                 super().initialize_from_config(*args, **kwargs)
+            finally:
+                del runner.initialize_kv_cache
             confine_kv_pool(self)
 
         def sleep(self, level: int = 1) -> None:
@@ -140,9 +128,6 @@ def _build_class() -> type:
 
 
 def __getattr__(name: str) -> Any:
-    global _cls
     if name == "SleepableNPUWorker":
-        if _cls is None:
-            _cls = _build_class()
-        return _cls
+        return _build_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
