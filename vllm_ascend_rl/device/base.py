@@ -3,41 +3,17 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
     from contextlib import AbstractContextManager
 
     import torch
+    from torch._C._distributed_c10d import Backend as C10dBackend
     from torch.distributed import ProcessGroup, Store
 
-
-class SleepPool(Protocol):
-    """What a device needs of the sleep allocator (``sleep/allocator.py``) to route a block's
-    allocations into it; typed here so that ``device`` never imports ``sleep``."""
-
-    device_index: int
-
-    @property
-    def allocations(self) -> dict[int, Any]: ...
-
-    def allocate(self, nbytes: int, tag: str) -> Any: ...
-
-    def tensor(self, alloc: Any, nbytes: int | None, owned: bool) -> torch.Tensor: ...
-
-    def free(self, addr: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class GroupBackend:
-    """A c10d backend and how to register it in a ``ProcessGroup``."""
-
-    impl: Any
-    default_type: Any  # ProcessGroup.BackendType
-    register_type: Any
-    torch_device: torch.device
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 class IpcHandleError(ValueError):
@@ -173,7 +149,7 @@ class Device(ABC):
         """Copy the host tensor ``src`` to device address ``addr``."""
 
     @abstractmethod
-    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
         """A block in which this thread's new tensors on this device come from ``allocator``
         (``allocator.use_memory_pool`` has set ``tag`` for the native entry points)."""
 
@@ -198,9 +174,9 @@ class Device(ABC):
     @abstractmethod
     def group_backend(
         self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
-    ) -> GroupBackend:
-        """Our weight-broadcast group's backend over ``store``; ``group_id`` names the
-        rendezvous, the same on every rank."""
+    ) -> C10dBackend:
+        """Our weight-broadcast group's backend over ``store``, for :attr:`collective_backend`
+        on ``torch.device(kind)``; ``group_id`` names the rendezvous, the same on every rank."""
 
     def close_group(self, pg: ProcessGroup, broken: bool) -> None:
         """Release the group. ``broken``: a collective failed or timed out and may still be

@@ -76,23 +76,23 @@ def open_group(
     """Rendezvous at ``host:port`` (rank 0 hosts the store) within ``within_s`` and form the
     group, whose collectives and store calls are bounded by ``timeout_s``. Returns the group,
     its store (keys under the group's prefix) and its :func:`hccl_config`."""
+    import torch
     from torch.distributed import PrefixStore, ProcessGroup
+    from torch.distributed.distributed_c10d import Backend
     from torch.distributed.rendezvous import rendezvous
 
     uri = tcp_uri(host, port)
     rendezvous_timeout = timedelta(seconds=within_s)
     store, rank, world_size = next(rendezvous(uri, rank, world_size, timeout=rendezvous_timeout))
     store.set_timeout(timedelta(seconds=timeout_s))
-    group_id = group_prefix(host, port)
+    group_id = f"{uri}/{GROUP_NAME}/"  # the same on every rank; the store's keys live under it
     prefix = PrefixStore(group_id, store)
     pg = ProcessGroup(prefix, rank, world_size)
     backend = device.group_backend(prefix, rank, world_size, timeout_s, group_id)
-    pg._set_default_backend(backend.default_type)
-    backend.impl._set_sequence_number_for_group()
-    pg._register_backend(backend.torch_device, backend.register_type, backend.impl)
+    # Default and registered type alike: GLOO for gloo; CUSTOM for hccl, as register_backend
+    # maps every plugin backend (torch_npu/_init/registry/distributed.py:34-44, 2.10.0.post4).
+    backend_type = Backend.backend_type_map[Backend(device.collective_backend)]
+    pg._set_default_backend(backend_type)
+    backend._set_sequence_number_for_group()
+    pg._register_backend(torch.device(device.kind), backend_type, backend)
     return pg, prefix, hccl_config(timeout_s, group_id)
-
-
-def group_prefix(host: str, port: int) -> str:
-    """The group's name, the same on every rank: its store keys live under it."""
-    return f"{tcp_uri(host, port)}/{GROUP_NAME}/"

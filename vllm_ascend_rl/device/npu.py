@@ -18,10 +18,8 @@ import torch
 from vllm_ascend_rl.device.base import (
     Device,
     ExportedBuffer,
-    GroupBackend,
     ImportedBuffer,
     IpcHandleError,
-    SleepPool,
     check_same_location,
     host_identity,
     ipc_buffer_id,
@@ -30,7 +28,10 @@ from vllm_ascend_rl.device.group import hccl_config
 
 if TYPE_CHECKING:
     import torch.npu  # registered by torch_npu at import; untyped
+    from torch._C._distributed_c10d import Backend as C10dBackend
     from torch.distributed import ProcessGroup, Store
+
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 # torch_npu 2.10.0.post4 ProcessGroupHCCL.hpp: enum class WatchdogStatus {INIT, RUN, STOP}.
@@ -111,7 +112,7 @@ def _unb64(text: Any, field: str) -> bytes | None:
     try:
         return base64.b64decode(text, validate=True)
     except (ValueError, TypeError):
-        raise IpcHandleError(f"malformed NPU IPC handle: {field} is not base64") from None
+        raise ValueError(f"{field} is not base64") from None
 
 
 class NpuDevice(Device):
@@ -144,7 +145,7 @@ class NpuDevice(Device):
     # -- the weight-broadcast group --------------------------------------------------------
     def group_backend(
         self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
-    ) -> GroupBackend:
+    ) -> C10dBackend:
         """``ProcessGroupHCCL`` with explicit options, as vllm-ascend's netloader builds its
         group (``netloader_pg.py:122-128`` at vllm-ascend@182b75e), plus the communicator
         settings of :func:`~vllm_ascend_rl.device.group.hccl_config` (exec timeout, buffer,
@@ -155,8 +156,6 @@ class NpuDevice(Device):
         keeps our works out of it (``workEnqueue`` returns early, ``:3517-3519``; the loop skips
         the group, ``:2216-2218``); :class:`BroadcastChannel` polls ``is_completed`` against
         ``timeout_s`` and aborts the communicator itself."""
-        from torch.distributed import ProcessGroup
-        from torch.distributed.distributed_c10d import Backend
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
         options = ProcessGroupHCCL.Options()
@@ -167,12 +166,7 @@ class NpuDevice(Device):
         options.hccl_config = hccl_config(timeout_s, group_id)
         hccl = ProcessGroupHCCL(store, rank, world_size, options)
         hccl.set_watchdog_status(_WATCHDOG_STOP)
-        return GroupBackend(
-            hccl,
-            Backend.backend_type_map[Backend("hccl")],
-            ProcessGroup.BackendType.CUSTOM,
-            torch.device("npu"),
-        )
+        return hccl
 
     def close_group(self, pg: ProcessGroup, broken: bool) -> None:
         """A healthy group shuts down (which synchronizes its HCCL streams); a broken one
@@ -186,7 +180,7 @@ class NpuDevice(Device):
         backend: ProcessGroupHCCL = pg._get_backend(torch.device("npu"))
         backend.abort_hccl_comm("vllm_ascend_rl: weight-transfer channel broken")
 
-    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
         return pluggable_pool(allocator)
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
@@ -207,9 +201,9 @@ class NpuDevice(Device):
 
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device())
         _, args = reduce_tensor(tensor)
-        holder = [tensor]
         handle = ipc_handle(args, nbytes, self.location())
-        return ExportedBuffer(tensor, handle, unlink=lambda: None, release=holder.clear)
+        # The buffer holds the only reference: closing it frees the memory.
+        return ExportedBuffer(tensor, handle, unlink=lambda: None, release=lambda: None)
 
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
         from torch_npu.multiprocessing.reductions import rebuild_npu_tensor
@@ -219,14 +213,11 @@ class NpuDevice(Device):
         check_same_location(handle.get("location"), self.location())
         try:
             tensor = rebuild_npu_tensor(*rebuild_args(handle, self.index))
-        except IpcHandleError:
-            raise
         except (KeyError, TypeError, ValueError) as e:
             raise IpcHandleError(f"malformed NPU IPC handle: {e}") from e
         except RuntimeError as e:
             raise IpcHandleError(f"cannot open NPU IPC handle {handle.get('id')}: {e}") from e
-        holder = [tensor]
-        return ImportedBuffer(tensor, holder.clear)
+        return ImportedBuffer(tensor, release=lambda: None)  # closing it drops the mapping
 
 
 # The arguments torch_npu's reduce_tensor hands rebuild_npu_tensor for an NPU storage, named
@@ -272,8 +263,8 @@ def ipc_handle(args: tuple, nbytes: int, location: dict[str, str]) -> dict[str, 
 
 def rebuild_args(handle: dict[str, Any], device_index: int) -> tuple:
     """``rebuild_npu_tensor``'s arguments for ``handle``, mapped on ``device_index`` (the
-    receiver's own device, never the ambient one); KeyError, TypeError or ValueError (or
-    IpcHandleError for bad base64) if malformed."""
+    receiver's own device, never the ambient one); KeyError, TypeError or ValueError if
+    malformed."""
     nbytes = int(handle["nbytes"])
     a = {
         "tensor_cls": torch.Tensor,
@@ -319,7 +310,7 @@ _PLUGGABLE: list = []
 
 
 @contextmanager
-def pluggable_pool(allocator: SleepPool) -> Iterator[None]:
+def pluggable_pool(allocator: CaMemAllocator) -> Iterator[None]:
     """Route torch_npu allocations inside the block through ``vllm_ascend_rl.libvmm``'s ACL VMM
     entry points, which record each in the allocation table with the tag
     ``allocator.use_memory_pool`` set, and run no Python. Each entry gets a fresh pool, never
@@ -329,7 +320,6 @@ def pluggable_pool(allocator: SleepPool) -> Iterator[None]:
     backed up every sleep and hide from KV-cache sizing."""
     from vllm_ascend_rl import vmm
 
-    _torch_npu()
     if not _PLUGGABLE:
         _PLUGGABLE.append(
             torch.npu.memory.NPUPluggableAllocator(vmm.LIBRARY, vmm.NPU_MALLOC, vmm.NPU_FREE)
@@ -342,7 +332,7 @@ def pluggable_pool(allocator: SleepPool) -> Iterator[None]:
     _trim(pool, allocator)
 
 
-def _trim(pool: torch.npu.memory.MemPool, allocator: SleepPool) -> None:
+def _trim(pool: torch.npu.memory.MemPool, allocator: CaMemAllocator) -> None:
     """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
     torch_npu/csrc/npu/Module.cpp:1478-1533 in 2.10.0.post4)."""
     torch.npu.synchronize(allocator.device_index)

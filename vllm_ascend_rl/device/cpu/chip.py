@@ -66,19 +66,15 @@ def host_chip(index: int) -> int:
     return chips[index]
 
 
-def _ledger_root() -> Path:
-    root = os.environ.get(LEDGER_ENV) or os.path.join(
-        tempfile.gettempdir(), "vllm_ascend_rl_chip_ledger"
-    )
-    return Path(root)
-
-
 class ChipMemory:
     """Device-wide memory of host chip ``chip``, shared by every process on this host."""
 
     def __init__(self, chip: int) -> None:
         self.chip = chip
-        self.dir = _ledger_root() / f"chip{chip}"
+        root = os.environ.get(LEDGER_ENV) or Path(
+            tempfile.gettempdir(), "vllm_ascend_rl_chip_ledger"
+        )
+        self.dir = Path(root, f"chip{chip}")
 
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes, counting every live process's use, as on an NPU."""

@@ -12,19 +12,17 @@ import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed import ProcessGroup, Store
+from torch.distributed import Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from vllm_ascend_rl.device.base import (
     Device,
     ExportedBuffer,
-    GroupBackend,
     ImportedBuffer,
     IpcHandleError,
-    SleepPool,
     check_same_location,
     host_identity,
     ipc_buffer_id,
@@ -32,6 +30,9 @@ from vllm_ascend_rl.device.base import (
 from vllm_ascend_rl.device.cpu.chip import check_own_chip, host_chip
 from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode
 from vllm_ascend_rl.vmm import host_copy
+
+if TYPE_CHECKING:
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 SHM_PREFIX = "vllm_ascend_rl_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
@@ -65,10 +66,8 @@ class CpuDevice(Device):
 
     def group_backend(
         self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str
-    ) -> GroupBackend:
-        gloo = ProcessGroupGloo(store, rank, world_size, timeout=timedelta(seconds=timeout_s))
-        kind = ProcessGroup.BackendType.GLOO
-        return GroupBackend(gloo, kind, kind, torch.device("cpu"))
+    ) -> ProcessGroupGloo:
+        return ProcessGroupGloo(store, rank, world_size, timeout=timedelta(seconds=timeout_s))
 
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Not torch's copy_: its OpenMP pool stalls for milliseconds per call while a colocated
@@ -97,7 +96,7 @@ class CpuDevice(Device):
             pass
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
-    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
         def pooled(nbytes: int) -> torch.Tensor:
             return allocator.tensor(allocator.allocate(nbytes, tag), nbytes, owned=True)
 
@@ -117,7 +116,14 @@ class CpuDevice(Device):
         return self._carver.carve(nbytes, self.location())
 
     def open_ipc_buffer(self, handle: dict[str, Any]) -> ImportedBuffer:
-        name, offset, nbytes = _checked_shm_handle(handle)
+        if not isinstance(handle, dict) or handle.get("kind") != "shm":
+            raise IpcHandleError(f"not a shared-memory handle: {handle!r}")
+        name = handle.get("name")
+        if not isinstance(name, str) or not _SHM_NAME.match(name):
+            # Only our own segments: another name could map any process's segment.
+            raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
+        nbytes = _byte_count(handle, "nbytes", None)
+        offset = _byte_count(handle, "offset", 0)
         check_same_location(handle.get("location"), self.location())
         try:
             shm = _attach(name)
@@ -248,17 +254,6 @@ class SegmentCarver:
             "location": location,
         }
         return ExportedBuffer(_bytes_of(seg.shm, offset, nbytes), handle, seg.unlink, release)
-
-
-def _checked_shm_handle(handle: Any) -> tuple[str, int, int]:
-    if not isinstance(handle, dict) or handle.get("kind") != "shm":
-        raise IpcHandleError(f"not a shared-memory handle: {handle!r}")
-    name = handle.get("name")
-    if not isinstance(name, str) or not _SHM_NAME.match(name):
-        # Only our own segments: another name could map any process's segment.
-        raise IpcHandleError(f"malformed shared-memory handle: name {name!r}")
-    nbytes = _byte_count(handle, "nbytes", None)
-    return name, _byte_count(handle, "offset", 0), nbytes
 
 
 def _byte_count(handle: dict[str, Any], key: str, default: int | None) -> int:
