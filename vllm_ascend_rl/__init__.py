@@ -13,17 +13,13 @@ _registered: dict[str, str] | None = None
 def register() -> dict[str, str]:
     """Register the plugin's components in vLLM's factories; return what was registered."""
     global _registered
-    if _registered is not None:
-        return _registered
-    from vllm_ascend_rl._registration import register_all
-    from vllm_ascend_rl.logs import get_logger
+    if _registered is None:
+        from vllm_ascend_rl._registration import register_all
+        from vllm_ascend_rl.logs import get_logger
 
-    _registered = register_all()
-    get_logger(__name__).info(
-        "vllm_ascend_rl %s registered: %s",
-        __version__,
-        ", ".join(f"{k} -> {v}" for k, v in _registered.items()) or "nothing",
-    )
+        _registered = register_all()
+        done = ", ".join(f"{k} -> {v}" for k, v in _registered.items()) or "nothing"
+        get_logger(__name__).info("vllm_ascend_rl %s registered: %s", __version__, done)
     return _registered
 
 

@@ -19,6 +19,7 @@ _WT = "vllm.distributed.weight_transfer.factory"
 _ENGINE = (_WT, "WeightTransferEngineFactory", "register_engine")
 _TRAINER = (_WT, "WeightTransferTrainerFactory", "register_engine")
 _PKG = "vllm_ascend_rl.weight_transfer"
+_SLEEP = ("vllm.device_allocator.sleep_mode_backend", "SleepModeBackendFactory", "register_backend")
 
 # (factory module, factory class, register method, name, module, class)
 COMPONENTS: tuple[tuple[str, str, str, str, str, str], ...] = (
@@ -31,21 +32,14 @@ COMPONENTS: tuple[tuple[str, str, str, str, str, str], ...] = (
         f"{_PKG}.npu_ipc_trainer",
         "AscendRLNPUIPCTrainerWeightTransferEngine",
     ),
-    (
-        "vllm.device_allocator.sleep_mode_backend",
-        "SleepModeBackendFactory",
-        "register_backend",
-        CAMEM_BACKEND,
-        "vllm_ascend_rl.sleep.backend",
-        "CaMemSleepBackend",
-    ),
+    (*_SLEEP, CAMEM_BACKEND, "vllm_ascend_rl.sleep.backend", "CaMemSleepBackend"),
 )
 
 
 def register_all() -> dict[str, str]:
-    """Register every component; return ``{factory: name}`` of what this call registered.
-    Never raises: the names are ours alone, so a duplicate (something registered them earlier
-    in this process) is logged and left alone."""
+    """Register every component; return ``{"factory:name": "module.class"}`` of what this
+    call registered. Never raises: the names are ours alone, so a duplicate (something
+    registered them earlier in this process) is logged and left alone."""
     done: dict[str, str] = {}
     for module, factory, method, name, target, class_name in COMPONENTS:
         register = getattr(getattr(importlib.import_module(module), factory), method)

@@ -1,15 +1,8 @@
-"""How vLLM 0.27.1 (vllm-ascend ``main``'s pin) to 0.32.0 differ, by feature, never by version
-(probes: ``tests/support/vllm_features.py``; internals we rely on: docs/upstream-internals.md):
-
-- ``WeightTransferEngine.trainer_send_weights``: abstract in 0.27.1, gone in 0.32
-  (:class:`EngineCompat`).
-- ``SleepModeBackend.discard``, ``/release_kv_cache_memory``, ``/shutdown_weight_transfer_engine``,
-  ``/weight_checker``: 0.32 only; our backend and workers define ``discard`` either way.
-- ``/weight_checker``'s worker methods: in 0.32's GPU ``Worker``, not in vllm-ascend's
-  ``NPUWorker`` (:func:`weight_checker_methods`).
-- ``/inference/v1/generate``: always on in 0.27.1, behind ``--enable-scale-out`` in 0.32; its
-  ``weight_versions`` spans: 0.32 only.
-- ``/sleep?level=``: 0.32 refuses levels outside 0..2; 0.27.1 passes any on (our workers refuse)."""
+"""How vLLM 0.27.1 (vllm-ascend ``main``'s pin) to 0.32.0 differ, by feature, never by version:
+the table is docs/ascend-conformance.md §2 (probes: ``tests/support/vllm_features.py``;
+internals we rely on: docs/upstream-internals.md). Here: ``trainer_send_weights``, abstract in
+0.27.1 and gone in 0.32 (:class:`EngineCompat`), and ``/weight_checker``'s worker methods, in
+0.32's GPU ``Worker`` but not in vllm-ascend's ``NPUWorker`` (:func:`weight_checker_methods`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""The plugin's figures as Prometheus counters (docs/operations.md#metrics).
-
-Each process keeps its own counters (:func:`record`). A trainer exposes its counters with
-:func:`register_trainer_metrics`, in a registry it already serves. Engine workers run in
-vLLM's engine processes, which serve no HTTP. After each change, a worker writes its counters
-to ``worker-<index>.json`` in :func:`engine_metrics_dir`. The API server's ``/metrics`` reads
-those files through ``stat_logger.EngineMetricsLogger``. Workers and API server find the
-same directory through the ``instance_id`` of the vLLM config they share. Importing this
-module loads neither torch nor vLLM."""
+"""The plugin's figures as Prometheus counters; their names, labels and where they appear:
+docs/operations.md#metrics. Each process keeps its own counters (:func:`record`); an engine
+worker also writes them to its file in :func:`engine_metrics_dir`, which the API server's
+``stat_logger.EngineMetricsLogger`` reads. Importing this module loads neither torch nor vLLM."""
 
 from __future__ import annotations
 
@@ -40,6 +35,7 @@ HELP: dict[str, str] = {
 }
 
 Labels = tuple[tuple[str, str], ...]
+Row = tuple[tuple[str, Labels], float]  # ((name, labels), value), as in values().items()
 
 _lock = threading.Lock()
 _values: dict[tuple[str, Labels], float] = {}
@@ -64,7 +60,8 @@ def values() -> dict[tuple[str, Labels], float]:
 
 
 def engine_metrics_dir(instance_id: str) -> str:
-    """Where an engine's workers leave their counters for its API server."""
+    """Where an engine's workers leave their counters for its API server (both know the
+    ``instance_id`` of the vLLM config they share)."""
     return os.path.join(tempfile.gettempdir(), f"vllm_ascend_rl-metrics-{instance_id}")
 
 
@@ -103,7 +100,7 @@ def _write_snapshot(path: str) -> None:
     os.replace(tmp, path)
 
 
-def engine_rows(directory: str) -> Iterator[tuple[str, Labels, float]]:
+def engine_rows(directory: str) -> Iterator[Row]:
     """Every worker file in ``directory``, each series labelled with its ``worker``."""
     for path in sorted(glob.glob(os.path.join(directory, "worker-*.json"))):
         worker = os.path.basename(path)[len("worker-") : -len(".json")]
@@ -113,25 +110,20 @@ def engine_rows(directory: str) -> Iterator[tuple[str, Labels, float]]:
         except (OSError, ValueError):
             continue  # a worker that died mid-write: its last whole file is gone too
         for name, labels, v in rows:
-            yield name, tuple(sorted({**labels, "worker": worker}.items())), v
-
-
-def local_rows() -> Iterator[tuple[str, Labels, float]]:
-    for (name, labels), v in values().items():
-        yield name, labels, v
+            yield (name, tuple(sorted({**labels, "worker": worker}.items()))), v
 
 
 class Collector:
-    """A prometheus_client collector over rows of (name, labels, value)."""
+    """A prometheus_client collector over rows (:data:`Row`)."""
 
-    def __init__(self, rows: Callable[[], Iterable[tuple[str, Labels, float]]]) -> None:
+    def __init__(self, rows: Callable[[], Iterable[Row]]) -> None:
         self.rows = rows
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily
 
         series: dict[str, list[tuple[dict[str, str], float]]] = {}
-        for name, labels, v in self.rows():
+        for (name, labels), v in self.rows():
             if name in HELP:
                 series.setdefault(name, []).append((dict(labels), v))
         for name, samples in sorted(series.items()):
@@ -155,5 +147,5 @@ def register_trainer_metrics(registry: Any = None) -> None:
 
     registry = REGISTRY if registry is None else registry
     if id(registry) not in _registered:
-        registry.register(Collector(local_rows))
+        registry.register(Collector(lambda: values().items()))
         _registered.add(id(registry))

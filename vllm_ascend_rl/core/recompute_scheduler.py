@@ -1,13 +1,10 @@
-"""Schedulers for async RL, loaded with ``--scheduler-cls`` (docs/scheduler.md).
-
-Thin subclasses of vLLM's schedulers on purpose: overrides only wrap upstream's methods, so
-``/pause``, ``/resume`` and ``/is_paused`` behave as in vLLM and no copied loop can drift.
-``recompute_mode=bounce`` (``--additional-config '{"ascend_rl": {"recompute_mode": "bounce"}}'``)
-finishes a victim that ``schedule()`` preempts for KV blocks with ``finish_reason="abort"``,
-``stop_reason="recomputed"`` (a pair no natural end has) and its generated tokens, for the
-router to resend elsewhere. Preemptions outside ``schedule()`` (``pause(keep)``, weight
-updates) are never bounced. ``local`` (the default) is upstream's preemption.
-"""
+"""Schedulers for async RL, loaded with ``--scheduler-cls``; the recompute policy and its
+guarantees: docs/scheduler.md. Thin subclasses of vLLM's schedulers on purpose: overrides only
+wrap upstream's methods, so ``/pause``, ``/resume`` and ``/is_paused`` behave as in vLLM and no
+copied loop can drift. ``recompute_mode=bounce`` finishes a victim that ``schedule()`` preempts
+for KV blocks (never one preempted elsewhere: ``pause(keep)``, weight updates) with
+``finish_reason="abort"``, ``stop_reason="recomputed"`` and its tokens, for the router to
+resend; ``local`` (the default) is upstream's preemption."""
 
 from __future__ import annotations
 
@@ -31,6 +28,7 @@ logger = get_logger(__name__)
 CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
 SLEEP_LEVELS = (0, 1, 2)  # 0 pauses scheduling only
+CONNECTORS = ("kv_transfer_config", "ec_transfer_config")  # the vllm_config fields bounce refuses
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
@@ -61,11 +59,7 @@ def refuse_bounce_with_connector(vllm_config: Any) -> None:
     sending or receiving them (vLLM delays such frees), so the two cannot run together."""
     if recompute_mode_from(vllm_config.additional_config) != "bounce":
         return
-    connectors = [
-        name
-        for name in ("kv_transfer_config", "ec_transfer_config")
-        if getattr(vllm_config, name, None) is not None
-    ]
+    connectors = [n for n in CONNECTORS if getattr(vllm_config, n, None) is not None]
     if connectors:
         raise ValueError(
             f"{CONFIG_KEY}.recompute_mode=bounce cannot run with a connector "

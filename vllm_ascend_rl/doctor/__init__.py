@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 Status = Literal["ok", "warn", "fail", "skipped"]
-NO_NPU = "skipped (no NPU)"
 
 
 @dataclass(frozen=True)
@@ -38,5 +37,5 @@ def fail(area: str, name: str, found: str, fix: str) -> Check:
     return Check(area, name, "fail", found, fix)
 
 
-def skipped(area: str, name: str, why: str = NO_NPU) -> Check:
+def skipped(area: str, name: str, why: str = "skipped (no NPU)") -> Check:
     return Check(area, name, "skipped", why)

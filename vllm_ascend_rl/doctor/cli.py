@@ -8,16 +8,8 @@ import json
 import sys
 from dataclasses import asdict
 
+from vllm_ascend_rl import doctor
 from vllm_ascend_rl.doctor import Check, engines, local
-
-
-def run(
-    urls: list[str],
-    timeout_s: float,
-    additional_config: dict | None = None,
-    http_timeout_s: float = 60.0,
-) -> list[Check]:
-    return [*local.checks(timeout_s, additional_config), *engines.checks(urls, http_timeout_s)]
 
 
 def render(checks: list[Check]) -> str:
@@ -35,9 +27,7 @@ def render(checks: list[Check]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import vllm_ascend_rl.doctor
-
-    summary = vllm_ascend_rl.doctor.__doc__.split("\n")[0]
+    summary = doctor.__doc__.split("\n")[0]
     ap = argparse.ArgumentParser(prog="vllm-ascend-rl-doctor", description=summary)
     ap.add_argument(
         "--engine",
@@ -63,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = ap.parse_args(argv)
     with contextlib.redirect_stdout(sys.stderr):  # vLLM 0.27.1 logs to stdout
-        checks = run(args.engine, args.timeout_s, args.additional_config)
+        checks = local.checks(args.timeout_s, args.additional_config)
+        checks += engines.checks(args.engine, timeout_s=60.0)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:

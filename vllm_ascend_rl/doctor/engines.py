@@ -18,10 +18,8 @@ def checks(urls: list[str], timeout_s: float) -> list[Check]:
     out: list[Check] = []
     facts: dict[str, dict[str, Any]] = {}
     for url in urls:
-        found, checked = engine(url.rstrip("/"), timeout_s)
+        facts[url], checked = engine(url.rstrip("/"), timeout_s)
         out += checked
-        if found:
-            facts[url] = found
     return out + compare(facts) if len(urls) > 1 else out
 
 
@@ -71,8 +69,8 @@ def _served(
     info = _get(url, "/server_info", timeout_s, config_format="json")
     config = info.json().get("vllm_config") if info.status_code == 200 else None
     out += configuration(area, config if isinstance(config, dict) else None)
-    checker = requests.get(url + "/weight_checker", timeout=timeout_s).status_code
-    present = checker == 405  # a POST route answers GET with 405; absent: 404
+    # A POST route answers GET with 405; absent: 404.
+    present = _get(url, "/weight_checker", timeout_s).status_code == 405
     out.append(ok(area, "/weight_checker", "present" if present else "absent (vLLM < 0.32)"))
     return facts, out
 

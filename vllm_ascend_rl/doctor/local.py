@@ -46,15 +46,13 @@ def _release(text: str) -> tuple[int, ...] | None:
 
 # -- stack ---------------------------------------------------------------------------------------
 def stack(npu: bool) -> list[Check]:
-    out = [_python(), _torch(), _vllm(), ok(STACK, "device", "npu" if npu else "cpu (stand-in)")]
+    python = ".".join(map(str, sys.version_info[:3]))  # setup.py: >= 3.11
+    device = "npu" if npu else "cpu (stand-in)"
+    out = [ok(STACK, "python", python), _torch(), _vllm(), ok(STACK, "device", device)]
     if not npu:
         names = ("vllm-ascend", "torch_npu", "CANN and chips", "ACL back end")
         return [*out, *(skipped(STACK, n) for n in names)]
     return [*out, _vllm_ascend(), _torch_npu(), _cann_and_chips(), _acl_backend()]
-
-
-def _python() -> Check:
-    return ok(STACK, "python", ".".join(map(str, sys.version_info[:3])))  # setup.py: >= 3.11
 
 
 def _torch() -> Check:
@@ -142,10 +140,12 @@ def registration() -> list[Check]:
     and vllm-ascend's included), then whom vLLM's factories resolve our names to."""
     from vllm_ascend_rl._registration import COMPONENTS
 
+    platforms = [e.name for e in metadata.entry_points(group="vllm.platform_plugins")]
+    ascend = "ascend" in platforms or importlib.util.find_spec("vllm_ascend") is not None
     out = [
         _entry_point("vllm.general_plugins", "vllm_ascend_rl:register"),
         _entry_point("vllm.stat_logger_plugins", "vllm_ascend_rl.stat_logger:EngineMetricsLogger"),
-        _vllm_ascend_plugin(),
+        ok(REG, "vllm-ascend plugin", "present" if ascend else "absent"),
     ]
     try:
         from vllm.plugins import load_general_plugins
@@ -165,12 +165,6 @@ def _entry_point(group: str, value: str) -> Check:
         fix = "reinstall the plugin (pip install vllm-ascend-rl, or pip install -e . in its repo)"
         return fail(REG, group, f"no entry point {value}", fix)
     return ok(REG, group, f"{found[0].name} = {value}")
-
-
-def _vllm_ascend_plugin() -> Check:
-    platforms = [e.name for e in metadata.entry_points(group="vllm.platform_plugins")]
-    present = "ascend" in platforms or importlib.util.find_spec("vllm_ascend") is not None
-    return ok(REG, "vllm-ascend plugin", "present" if present else "absent")
 
 
 def _factory_entry(module: str, factory: str, name: str, ours: str) -> Check:
@@ -246,10 +240,9 @@ def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
     from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG, rl_config_enabled
 
     name, frontend = "PYTORCH_NPU_ALLOC_CONF", os.environ.get("PYTORCH_NPU_ALLOC_CONF")
+    own = _alloc_conf_refusal(frontend)  # the user's own setting: refused whatever rewrites it
     if not npu:  # nothing rewrites it
-        refusal = _alloc_conf_refusal(frontend)
-        found = repr(frontend)
-        return fail(ENV, name, found, refusal) if refusal else ok(ENV, name, found)
+        return fail(ENV, name, repr(frontend), own) if own else ok(ENV, name, repr(frontend))
     conf = engine_core_alloc_conf(frontend, additional_config)
     found = f"{frontend!r}; the engine core gets {conf!r}"
     route = (
@@ -257,7 +250,6 @@ def _alloc_conf(npu: bool, additional_config: dict | None) -> Check:
         f"--additional-config '{json.dumps(RL_ADDITIONAL_CONFIG)}', not rl_config: vllm-ascend "
         "then leaves the setting as it is"
     )
-    own = _alloc_conf_refusal(frontend)  # the user's own setting: refused whatever rewrites it
     refusal = own or _alloc_conf_refusal(conf)
     if refusal and not own and rl_config_enabled(additional_config):
         return warn(ENV, name, f"{found} until NPUWorker.__init__ strips it", route)

@@ -17,6 +17,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError, EnginesDisagree
-from vllm_ascend_rl.metrics import Collector, Labels
+from vllm_ascend_rl.metrics import Collector, Row
 from vllm_ascend_rl.router.stitch import (
     Completion,
     Piece,
@@ -71,20 +72,19 @@ class Engines:
 
 def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -> FastAPI:
     engines = Engines([u.rstrip("/") for u in urls])
-    sessions: list[aiohttp.ClientSession] = []  # one, made inside the server's event loop
-
-    def session() -> aiohttp.ClientSession:
-        if not sessions:
-            sessions.append(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)))
-        return sessions[0]
 
     @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
-        for s in sessions:
-            await s.close()
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # One session for every engine call, made inside the server's event loop.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s:
+            app.state.session = s
+            yield
 
     app = FastAPI(title="vllm_ascend_rl router", lifespan=lifespan)
+
+    @app.exception_handler(RouterError)
+    async def refuse(_request: Request, e: RouterError) -> Response:
+        return JSONResponse(error_body(e.status, str(e)), e.status)
 
     async def release(url: str, resp: aiohttp.ClientResponse) -> None:
         engines.in_flight[url] -= 1
@@ -94,8 +94,9 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
         url = engines.pick()
         engines.in_flight[url] = engines.in_flight.get(url, 0) + 1
         engines.requests[url] = engines.requests.get(url, 0) + 1
+        body = completion.next_body(stream)
         try:
-            resp = await session().post(url + "/v1/completions", json=completion.next_body(stream))
+            resp = await app.state.session.post(url + "/v1/completions", json=body)
         except (aiohttp.ClientError, TimeoutError) as e:
             engines.in_flight[url] -= 1
             raise RouterError(502, f"engine {url} failed: {type(e).__name__}: {e}") from e
@@ -120,17 +121,13 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
             piece = piece_of(choice, data.get("usage"))
             logprobs = merge_logprobs(logprobs, choice.get("logprobs"), len(text))
             text += piece.text
-            again = completion.absorb(piece)
-            if not again:
+            if not completion.absorb(piece):
                 break
             engines.resends += 1
         choice = dict(choice, text=text, token_ids=completion.generated, logprobs=logprobs)
         choice["prompt_token_ids"] = completion.prompt_ids
-        return dict(
-            first,
-            choices=[completion.shape_choice(choice)],
-            usage=completion.usage(data.get("usage")),
-        )
+        usage = completion.usage(piece.usage)
+        return dict(first, choices=[completion.shape_choice(choice)], usage=usage)
 
     async def stream(completion: Completion) -> AsyncIterator[bytes]:
         """The stitched stream; a failure ends it with an error event, never silently."""
@@ -147,7 +144,7 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
         while True:
             url, resp = await call(completion, stream=True)
             piece = Piece([], "", None, None, None)
-            held: dict | None = None  # the finishing chunk, sent only if not a bounce
+            held: dict = {}  # the finishing chunk, sent only if not a bounce
             try:
                 async for raw in resp.content:
                     line = raw.decode().strip()
@@ -183,41 +180,40 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 engines.resends += 1
                 # vLLM merges delta outputs a slow reader has not taken yet, so the bounce's
                 # chunk may carry the last tokens: pass them on without its finish.
-                if held is not None and any(
-                    c.get("token_ids") or c.get("text") for c in held["choices"]
-                ):
+                if any(c.get("token_ids") or c.get("text") for c in held["choices"]):
                     for choice in held["choices"]:
                         choice["finish_reason"] = choice["stop_reason"] = None
                     yield f"data: {json.dumps(held)}\n\n".encode()
                 continue
-            if held is not None:
-                yield f"data: {json.dumps(held)}\n\n".encode()
+            yield f"data: {json.dumps(held)}\n\n".encode()
             if piece.usage is not None:
                 usage = {"id": first_id, "choices": [], "usage": completion.usage(piece.usage)}
                 yield f"data: {json.dumps(usage)}\n\n".encode()
             yield b"data: [DONE]\n\n"
             return
 
+    async def payload(request: Request, required: bool = False) -> Any:
+        body = await request.body()
+        try:
+            return json.loads(body) if body or required else None
+        except json.JSONDecodeError:
+            raise RouterError(400, "body is not JSON") from None
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        try:
-            completion = Completion(await request.json(), max_resends)
-            if completion.client_body.get("stream"):
-                return StreamingResponse(stream(completion), media_type="text/event-stream")
-            return JSONResponse(await complete(completion))
-        except RouterError as e:
-            return JSONResponse(error_body(e.status, str(e)), e.status)
-        except json.JSONDecodeError:
-            return JSONResponse(error_body(400, "body is not JSON"), 400)
+        completion = Completion(await payload(request, required=True), max_resends)
+        if completion.client_body.get("stream"):
+            return StreamingResponse(stream(completion), media_type="text/event-stream")
+        return JSONResponse(await complete(completion))
 
     @app.get("/router/stats")
     async def stats() -> dict:
         return {"requests": engines.requests, "resends": engines.resends, "engines": engines.urls}
 
-    def rows() -> Iterator[tuple[str, Labels, float]]:
+    def rows() -> Iterator[Row]:
         for url, n in engines.requests.items():
-            yield "router_requests", (("engine", url),), n
-        yield "router_resends", (), engines.resends
+            yield ("router_requests", (("engine", url),)), n
+        yield ("router_resends", ()), engines.resends
 
     registry = CollectorRegistry()
     registry.register(Collector(rows))
@@ -229,24 +225,19 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
 
     async def fan_out(request: Request) -> Response:
         """A control route on every engine (see the module docstring)."""
-        route = request.url.path
-        body = await request.body()
-        try:
-            payload = json.loads(body) if body else None
-        except json.JSONDecodeError:
-            return JSONResponse(error_body(400, "body is not JSON"), 400)
+        route, body = request.url.path, await payload(request)
         ctl = EngineControlClient(engines.urls, timeout_s=timeout_s)
         params = list(request.query_params.multi_items())
         try:
-            out = await asyncio.to_thread(ctl.request, request.method, route, params, payload)
+            out = await asyncio.to_thread(ctl.request, request.method, route, params, body)
             agreed = ctl.agreed(out, route)
         except EngineControlError as e:
             failures = getattr(e, "failures", {e.url: e})
             statuses = {f.status for f in failures.values()}
             status = statuses.pop() if len(statuses) == 1 and None not in statuses else 502
-            return JSONResponse(error_body(status, f"router: {e}"), status)
+            raise RouterError(status, f"router: {e}") from e
         except EnginesDisagree as e:
-            return JSONResponse(error_body(409, f"router: {e}"), 409)
+            raise RouterError(409, f"router: {e}") from e
         return Response(agreed) if isinstance(agreed, str) else JSONResponse(agreed)
 
     for route in FANNED_OUT:
@@ -255,19 +246,16 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(path: str, request: Request) -> Response:
         if not is_data_plane("/" + path):
-            return JSONResponse(
-                error_body(
-                    403,
-                    f"the router does not forward /{path}: it would reach one of "
-                    f"{len(engines.urls)} engines. It fans out {', '.join(FANNED_OUT)}; send "
-                    "weight-transfer calls, /collective_rpc and other control calls to each "
-                    "engine directly (each has its own rank offset)",
-                ),
+            raise RouterError(
                 403,
+                f"the router does not forward /{path}: it would reach one of "
+                f"{len(engines.urls)} engines. It fans out {', '.join(FANNED_OUT)}; send "
+                "weight-transfer calls, /collective_rpc and other control calls to each "
+                "engine directly (each has its own rank offset)",
             )
         url = engines.pick()
         try:
-            async with session().request(
+            async with app.state.session.request(
                 request.method,
                 f"{url}/{path}",
                 data=await request.body(),
@@ -276,9 +264,7 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
             ) as resp:
                 return Response(await resp.read(), resp.status, media_type=resp.content_type)
         except (aiohttp.ClientError, TimeoutError) as e:
-            return JSONResponse(
-                error_body(502, f"engine {url} failed: {type(e).__name__}: {e}"), 502
-            )
+            raise RouterError(502, f"engine {url} failed: {type(e).__name__}: {e}") from e
 
     return app
 
