@@ -25,7 +25,7 @@ from tests.support import (
 )
 from tests.support.profile import current_profile
 from tests.support.server_plan import ServerPlan
-from tests.support.shared_servers import SharedServers
+from tests.support.shared_servers import GRAPHS_BACKEND, SharedServers
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.vllm_features import scale_out_flags
 
@@ -118,7 +118,8 @@ def shared_servers(tmp_path_factory, model_pair, standin_env):
       (v1 also the upstream side of the pause matrix and the bounce target);
     - ``rl-<backend>`` per weight-transfer backend: an RL engine on v1 with the plugin
       scheduler, the sleepable worker, prefix caching and ``/inference/v1/generate``, beside
-      vllm-ascend's registrations."""
+      vllm-ascend's registrations; the ``GRAPHS_BACKEND`` one in vLLM's default compile mode
+      (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode."""
     v1, v2 = model_pair
     prefix = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     rl_flags = [*scale_out_flags(), *prefix]
@@ -127,12 +128,14 @@ def shared_servers(tmp_path_factory, model_pair, standin_env):
         return lambda log: VLLMServer(model, log_path=log, extra_args=args)
 
     def rl_engine(backend):
-        args = [*rl_engine_args(backend, sleepable=True), *rl_flags]
+        graphs = backend == GRAPHS_BACKEND
+        args = [*rl_engine_args(backend, sleepable=True, graphs=graphs), *rl_flags]
         return lambda log: VLLMServer(v1, env=standin_env, log_path=log, extra_args=args)
 
     makers = {
         "reference-v1": reference(v1, [*engine_args(), *prefix]),
         "reference-v2": reference(v2, engine_args()),
+        "reference-v2-graphs": reference(v2, engine_args(graphs=True)),
         **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
     }
     shared = SharedServers(tmp_path_factory.mktemp("shared-servers"), makers)
@@ -179,6 +182,14 @@ def reference_v1(shared_servers) -> VLLMServer:
 @pytest.fixture(scope="session")
 def reference_v2(shared_servers) -> VLLMServer:
     return shared_servers.get("reference-v2")
+
+
+@pytest.fixture(scope="session")
+def references_v2(shared_servers) -> Callable[[str], VLLMServer]:
+    """``references_v2(backend)``: the greedy reference on v2 for that backend's RL engine
+    (in compile mode for ``GRAPHS_BACKEND``'s)."""
+    graphs = {GRAPHS_BACKEND: "reference-v2-graphs"}
+    return lambda backend: shared_servers.get(graphs.get(backend, "reference-v2"))
 
 
 SHM = Path("/dev/shm")

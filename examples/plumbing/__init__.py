@@ -15,19 +15,23 @@ from .tiny_model import TinyModelSpec, build_model_pair, build_tiny_model, load_
 PLUGIN_SCHEDULER = "vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler"
 
 
-def engine_args() -> list[str]:
+def engine_args(graphs: bool = False) -> list[str]:
     """Server flags shared by tests and the CPU demo.
 
-    ``--enforce-eager`` skips the ~30 s inductor compile of every new checkpoint on CPU; set
-    ``VLLM_ASCEND_RL_COMPILE=1`` to run with vLLM's default compile mode instead.
+    ``--enforce-eager`` skips the ~30 s inductor compile of every new checkpoint on CPU;
+    ``graphs`` (or ``VLLM_ASCEND_RL_COMPILE=1``) runs vLLM's default compile mode instead (on
+    Ascend: vllm-ascend's default ACL graph mode).
     """
-    return [] if os.environ.get("VLLM_ASCEND_RL_COMPILE") == "1" else ["--enforce-eager"]
+    graphs = graphs or os.environ.get("VLLM_ASCEND_RL_COMPILE") == "1"
+    return [] if graphs else ["--enforce-eager"]
 
 
-def rl_engine_args(backend: str | None = "ascend_rl_hccl", *, sleepable: bool = False) -> list[str]:
-    """``engine_args()`` for an RL engine: the plugin scheduler, a weight-transfer backend
-    (``None``: none) and, with ``sleepable``, the device's sleepable worker."""
-    args = [*engine_args(), "--scheduler-cls", PLUGIN_SCHEDULER]
+def rl_engine_args(
+    backend: str | None = "ascend_rl_hccl", *, sleepable: bool = False, graphs: bool = False
+) -> list[str]:
+    """``engine_args(graphs)`` for an RL engine: the plugin scheduler, a weight-transfer
+    backend (``None``: none) and, with ``sleepable``, the device's sleepable worker."""
+    args = [*engine_args(graphs), "--scheduler-cls", PLUGIN_SCHEDULER]
     if sleepable:
         args += ["--worker-cls", current_profile().sleepable_worker]
     if backend:

@@ -61,6 +61,9 @@ class DeviceProfile:
     server_env: dict[str, str] = field(default_factory=dict)
     additional_config: dict = field(default_factory=dict)
     default_worker: str | None = None  # --worker-cls of a server that names none
+    # --worker-extension-cls of a server that names no worker class or extension: the
+    # plugin's workers have the address ledger, vLLM's get it from this extension.
+    default_extension: str | None = None
     # Added to the niceness of a server's engine processes (its API server's descendants).
     engine_niceness: int = 0
 
@@ -217,6 +220,7 @@ def current_profile() -> DeviceProfile:
         return DeviceProfile(
             kind="npu",
             sleepable_worker=NPU_SLEEPABLE_WORKER,
+            default_extension="vllm_ascend_rl.worker.ledger.AddressLedger",
             memory_fraction=MEMORY_FRACTION,
             # The README's engine: torch_npu's expandable segments off (the sleep pools need
             # it) and vllm-ascend's FRACTAL_NZ off (it refuses weight updates and wake_up with

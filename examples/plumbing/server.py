@@ -128,6 +128,12 @@ class VLLMServer:
                 if self.profile.default_worker and "--worker-cls" not in self.extra_args
                 else []
             ),
+            *(
+                ["--worker-extension-cls", self.profile.default_extension]
+                if self.profile.default_extension
+                and not {"--worker-cls", "--worker-extension-cls"} & set(self.extra_args)
+                else []
+            ),
         ]
 
     def start(self, wait: bool = True) -> VLLMServer:

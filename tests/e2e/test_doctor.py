@@ -78,6 +78,7 @@ def test_the_cpu_stack_and_the_rl_engine_pass(rl_engines):
         ("state", "generating, awake"),
         ("world size", "1 engine worker(s)"),
         ("weight transfer", "ascend_rl_hccl"),
+        ("addresses", "every tensor where the engine started it"),
     ):
         assert checks[f"{area}: {name}"] == {
             "area": area,

@@ -57,7 +57,7 @@ def test_example_validates_a_sync_mid_generation(
     shared_servers,
     rl_engines,
     reference_v1,
-    reference_v2,
+    references_v2,
     model_pair,
     standin_env,
     tmp_path,
@@ -69,7 +69,7 @@ def test_example_validates_a_sync_mid_generation(
         *(sys.executable, str(EXAMPLES / script)),
         *("--device", request.config.getoption("--device")),
         *("--server-url", engine.url, "--model", str(v1)),
-        *("--reference-url", reference_v2.url, "--train-checkpoints", str(v2)),
+        *("--reference-url", references_v2(backend).url, "--train-checkpoints", str(v2)),
         *("--max-tokens", str(MAX_TOKENS)),
     ]
     colocated = backend == "ascend_rl_npu_ipc"

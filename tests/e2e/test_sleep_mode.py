@@ -1,7 +1,9 @@
 """Sleep mode over HTTP: ``/sleep?level=1|2``, ``/wake_up?tags=...``, ``/is_sleeping``, with the
 device's sleepable worker (CPU: ``SleepableCPUWorker``, KV cache in host virtual memory from the
 sleep allocator; NPU: ``SleepableNPUWorker``). Memory figures are what the workers' processes
-hold on the device (on CPU: their resident set), read through ``/collective_rpc``."""
+hold on the device (on CPU: their resident set), read through ``/collective_rpc``. The server
+runs in vLLM's default compile mode (ACL graphs on Ascend), and after every test no tensor has
+moved (the address ledger)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tests.support import (
     build_tiny_model,
     greedy_token_ids,
 )
+from tests.support.addresses import assert_addresses_kept
 from tests.support.metrics import added, scrape
 from tests.support.profile import trainer_env
 from tests.support.sleep_servers import leave_awake, sleepable_server
@@ -46,7 +49,11 @@ def sleep_engine(log_dir: Path) -> list[VLLMServer]:
     model = build_tiny_model(SPEC)
     return [
         sleepable_server(
-            model, log_dir / "server.log", extra_args=[*transfer, *faults], kv_cache_gib=KV_GIB
+            model,
+            log_dir / "server.log",
+            extra_args=[*transfer, *faults],
+            kv_cache_gib=KV_GIB,
+            graphs=True,
         )
     ]
 
@@ -66,10 +73,13 @@ def baseline(server):
 
 
 @pytest.fixture
-def ctl(server, model):
+def ctl(server, model, request):
+    """The server's control client; after the test, the engine awake and every tensor where
+    it started (a sleep, wake, reload or failure that moved one fails the test's teardown)."""
     client = EngineControlClient(server.url, timeout_s=300)
     yield client
     leave_awake(client, model)
+    assert_addresses_kept(server.url, request.node.name)
 
 
 def rss(server: VLLMServer, field: str = "bytes") -> int:

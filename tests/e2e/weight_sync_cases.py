@@ -18,6 +18,7 @@ import pytest
 import requests
 
 from tests.support import VLLMServer, free_port, greedy_token_ids
+from tests.support.addresses import assert_addresses_kept
 from tests.support.metrics import added, scrape, scrape_text, series
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_mid_generation
@@ -116,8 +117,8 @@ class WeightSyncServers:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def reference(cls, reference_v2):
-        return reference_v2
+    def reference(cls, references_v2):
+        return references_v2(cls.backend)
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -155,6 +156,7 @@ class WeightSyncServers:
         trainer.send(weight_version="v1")
         trainer.load(models[1])
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+        assert_addresses_kept(engine.url, "the syncs of the test before")
 
     @classmethod
     def init(cls, trainer: TrainerProcess, engine: VLLMServer, **kw) -> None:
@@ -164,6 +166,7 @@ class WeightSyncServers:
     def assert_alive_and_intact(engine: VLLMServer, v1_probe: list[int]) -> None:
         assert engine.is_healthy(), "server died"
         assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe, "weights changed"
+        assert_addresses_kept(engine.url, "the refused or failed update")
 
 
 class WeightSyncCases(WeightSyncServers):

@@ -19,6 +19,7 @@ from tests.support import (
     build_tiny_model,
     greedy_token_ids,
 )
+from tests.support.addresses import assert_addresses_kept
 from tests.support.sleep_servers import leave_awake, sleepable_server
 from tests.support.vllm_features import has_route
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
@@ -61,11 +62,12 @@ def baseline(server):
 
 
 @pytest.fixture
-def ctl(server, tiny_model, baseline):
+def ctl(server, tiny_model, baseline, request):
     client = EngineControlClient(server.url, timeout_s=300)
     yield client
     leave_awake(client, tiny_model)
     assert greedy_token_ids(server.url, PROBE, 16) == baseline
+    assert_addresses_kept(server.url, request.node.name)
 
 
 def _resume(server) -> requests.Response:

@@ -10,6 +10,11 @@ from pathlib import Path
 
 from examples.plumbing import VLLMServer
 
+# The shared RL engine that runs in vLLM's default compile mode (ACL graphs on Ascend), with a
+# reference of its own on v2 in that mode: compiled kernels round differently from eager ones,
+# and a tiny random model's greedy continuations part after a few dozen tokens.
+GRAPHS_BACKEND = "ascend_rl_npu_ipc"
+
 
 class SharedServers:
     """``makers``: name -> a function of the log path that builds the server (not started)."""

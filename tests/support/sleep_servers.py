@@ -17,14 +17,16 @@ def sleepable_server(
     scheduler: str | None = PLUGIN_SCHEDULER,
     extra_args: Sequence[str] = (),
     kv_cache_gib: int = 1,
+    graphs: bool = False,
 ) -> VLLMServer:
-    """A server (not started) with the sleepable worker (``scheduler=None``: vLLM's own)."""
+    """A server (not started) with the sleepable worker (``scheduler=None``: vLLM's own;
+    ``graphs``: vLLM's default compile mode, ACL graphs on Ascend)."""
     return VLLMServer(
         model,
         kv_cache_gib=kv_cache_gib,
         log_path=log_path,
         extra_args=[
-            *engine_args(),
+            *engine_args(graphs),
             "--worker-cls",
             current_profile().sleepable_worker,
             *(["--scheduler-cls", scheduler] if scheduler else []),

@@ -514,7 +514,7 @@ def test_kv_caches():
             assigns(c, "kv_caches") for c in runner.__mro__ if c.__module__.startswith("vllm.")
         ), (
             f"vLLM's {runner.__module__}.CPUModelRunner no longer sets self.kv_caches: "
-            "worker/__init__.py (kv_cache_tensors) finds the KV cache there to keep only it "
+            "worker/ledger.py (kv_cache_tensors) finds the KV cache there to keep only it "
             "in the kv_cache sleep pool"
         )
 
@@ -536,7 +536,7 @@ def test_cpu_linear():
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     assert callable(getattr(layer, "cpu_linear", None)), (
         "vLLM's CPU linear layers no longer keep their packed kernel in layer.cpu_linear: "
-        "device/cpu/worker.py (_discard_weights) frees it at level-2 sleep"
+        "device/cpu/worker.py (_discard_packed_linears) frees it at level-2 sleep"
     )
     layer.cpu_linear = lambda x, weight, bias: "ours"
     assert utils.cpu_unquantized_gemm(layer, None, layer.weight) == "ours", (

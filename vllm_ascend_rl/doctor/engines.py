@@ -72,7 +72,24 @@ def _served(
     # A POST route answers GET with 405; absent: 404.
     present = _get(url, "/weight_checker", timeout_s).status_code == 405
     out.append(ok(area, "/weight_checker", "present" if present else "absent (vLLM < 0.32)"))
+    out.append(addresses(url, area, timeout_s))
     return facts, out
+
+
+def addresses(url: str, area: str, timeout_s: float) -> Check:
+    """The workers' address ledgers: a tensor that moved since start-up is one a captured
+    graph no longer reads (docs/sleep-mode.md#addresses)."""
+    rpc = {"method": "moved_addresses"}
+    r = requests.post(url + "/collective_rpc", json=rpc, timeout=timeout_s)
+    if r.status_code != 200:
+        fix = "run the plugin's worker, or --worker-extension-cls "
+        fix += "vllm_ascend_rl.worker.ledger.AddressLedger"
+        return warn(area, "addresses", f"no address ledger (HTTP {r.status_code})", fix)
+    moved = {name for worker in r.json()["results"] for name in worker}
+    if moved:
+        fix = "restart the engine (graphs replay stale memory) and report the operation before"
+        return fail(area, "addresses", f"moved since start-up: {sorted(moved)[:5]}", fix)
+    return ok(area, "addresses", "every tensor where the engine started it")
 
 
 def configuration(area: str, config: dict[str, Any] | None) -> list[Check]:

@@ -34,6 +34,7 @@ class LayerwiseReload:
         self.model: torch.nn.Module | None = None
         self._pending: list[torch.nn.Module] = []
         self._backup: dict[torch.nn.Module, _LayerBackup] = {}
+        self._derived: dict[tuple[torch.nn.Module, str], torch.Tensor] = {}
 
     def begin(
         self,
@@ -44,6 +45,7 @@ class LayerwiseReload:
     ) -> None:
         """Open an update. ``keep_old`` takes a host copy of this worker's shard now, to restore
         on abort; MemoryError before any copy if the host cannot hold ``workers_on_host``."""
+        self._derived = derived_tensors(model)  # as a captured graph reads them
         initialize_layerwise_reload(model)
         self.model = model
         self._pending = [m for m in model.modules() if _expects_weights(m)]
@@ -65,9 +67,13 @@ class LayerwiseReload:
         )
 
     def finish(self, model_config: ModelConfig) -> None:
+        """Process what is left of the new weights (vLLM's layerwise reload copies each layer
+        into its kernel tensors); then :func:`keep_derived_in_place` as of ``begin``."""
         model, self.model = self.model, None
         self._pending, self._backup = [], {}
+        derived, self._derived = self._derived, {}
         finalize_layerwise_reload(model, model_config)
+        keep_derived_in_place(derived)
 
     def evacuate(self, storage: torch.Tensor) -> int:
         """Clone the received tensors of incomplete layers that alias ``storage``; return how
@@ -137,6 +143,35 @@ class _LayerBackup:
             del state[k]  # added by processing the new weights
         state.update(self.attrs)
         return sum(old.nbytes for _, old in self.tensors)
+
+
+def derived_tensors(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], torch.Tensor]:
+    """Every tensor a module keeps as a plain attribute (not a parameter or buffer)."""
+    return {
+        (module, name): value
+        for module in model.modules()
+        for name, value in vars(module).items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def keep_derived_in_place(before: dict[tuple[torch.nn.Module, str], torch.Tensor]) -> None:
+    """Post-load processing may re-create a layer's derived tensors (vLLM's attention layers
+    make new host copies of their scales): copy each new value into the tensor the engine
+    started with, which a captured graph reads, and put that one back. RuntimeError, naming
+    the layer, for a derived tensor whose shape, dtype or device changed."""
+    for (module, name), old in before.items():
+        new = vars(module).get(name)
+        if new is old or not isinstance(new, torch.Tensor):
+            continue
+        if (new.shape, new.dtype, new.device) != (old.shape, old.dtype, old.device):
+            raise RuntimeError(
+                f"{type(module).__name__}.{name} changed from {tuple(old.shape)} {old.dtype} "
+                f"on {old.device} to {tuple(new.shape)} {new.dtype} on {new.device} in "
+                "post-load processing: it cannot be refreshed where a captured graph reads it"
+            )
+        old.copy_(new)
+        setattr(module, name, old)
 
 
 def _kernel_tensors(layer: torch.nn.Module) -> list[torch.Tensor]:

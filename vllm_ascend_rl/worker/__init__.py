@@ -4,14 +4,12 @@ worker (:mod:`.npu_worker`) and the CPU stand-in's (``device/cpu/worker.py``).""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, readiness_of
+from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
 
 if TYPE_CHECKING:
-    import torch
-
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
 
 
@@ -45,28 +43,13 @@ def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> in
     return before - allocator.get_current_usage()
 
 
-def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in the runner's ``kv_caches`` (nested lists/tuples in vllm-ascend)."""
-    import torch
-
-    stack = [getattr(model_runner, "kv_caches", [])]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            yield item
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list | tuple):
-            stack.extend(item)
-
-
 def confine_kv_pool(worker: Any) -> int:
     """After KV-cache initialization, keep across sleep whatever else the ``kv_cache`` pool
     holds (attention bookkeeping, DSA buffers)."""
     return worker.allocator.keep_only("kv_cache", kv_cache_tensors(worker.model_runner))
 
 
-class SleepableMixin:
+class SleepableMixin(StartupAddressLedger):
     """Shared by both sleepable workers. After a level-2 sleep the model's readiness is
     DISCARDED, and waking the KV cache (which lets requests run) is refused until new weights
     are loaded. ``memory_in_use`` (via ``/collective_rpc``) reports the device memory the
