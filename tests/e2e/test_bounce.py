@@ -25,6 +25,7 @@ from tests.support import (
     free_port,
     greedy_token_ids,
 )
+from tests.support.addresses import assert_addresses_kept
 from tests.support.metrics import added, scrape
 from tests.support.router import running_router
 from vllm_ascend_rl.client import EngineControlClient
@@ -126,6 +127,7 @@ def test_kv_starved_requests_bounce_with_the_tokens_they_generated(servers, refe
     log = engine.log_path.read_text(errors="replace")
     assert "bounced" in log and "KV cache full" in log
     assert engine.is_healthy()
+    assert_addresses_kept(engine.url, "the bounces")
 
 
 def test_through_the_router_every_completion_equals_the_greedy_reference(

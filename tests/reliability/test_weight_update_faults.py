@@ -24,7 +24,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)
 
 GOOD_INIT = {"master_address": "127.0.0.1", "master_port": 29999, "world_size": 2}
 BAD_INIT = {  # case -> (init_info fields to change, None deletes; words the refusal contains)
-    "missing_field": ({"master_address": None}, "master_address: Field required"),
+    "missing_field": (  # vLLM's own wording (WeightTransferEngine.parse_init_info)
+        {"master_address": None},
+        "Invalid init_info for AscendRLHCCLWeightTransferEngine: master_address: Field required",
+    ),
     "master_address": ({"master_address": 7}, "master_address: Input should be a valid string"),
     "master_port": ({"master_port": "29999"}, "master_port: Input should be a valid integer"),
     "world_size": ({"world_size": [2]}, "world_size: Input should be a valid integer"),
@@ -48,7 +51,7 @@ NAME = "model.norm.weight"
 BAD_UPDATE = {  # update_info -> words the refusal must contain
     "shape_is_int": (
         {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [128]},
-        "shapes[0]: Input should be a valid list",
+        "Invalid update_info for AscendRLHCCLWeightTransferEngine: shapes[0]: Input should be",
     ),
     "dtype_is_int": (
         {"names": [NAME], "dtype_names": [16], "shapes": [[128]]},

@@ -128,10 +128,11 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
 
     # -- vLLM's methods ----------------------------------------------------------------
     def parse_init_info(self, init_dict: dict[str, Any]) -> I:
-        return parse_wire(self.init_info_cls, init_dict, "init_info")
+        return parse_wire(self.init_info_cls, init_dict, f"init_info for {type(self).__name__}")
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> U:
-        return parse_wire(self.update_info_cls, update_dict, "update_info")
+        what = f"update_info for {type(self).__name__}"
+        return parse_wire(self.update_info_cls, update_dict, what)
 
     def init_transfer_engine(self, init_info: I) -> None:
         """Claims the channel for ``init_info``'s trainer and connects (see connection.py)."""

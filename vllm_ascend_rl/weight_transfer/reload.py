@@ -11,6 +11,7 @@ closure over packed oneDNN weights). Objects mutated in place are not restored.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,14 +146,14 @@ class _LayerBackup:
         return sum(old.nbytes for _, old in self.tensors)
 
 
+def plain_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``module`` keeps as plain attributes, not parameters or buffers: derived
+    from its weights by post-load processing (repacked, transposed, upcast copies, scales)."""
+    return ((name, v) for name, v in vars(module).items() if isinstance(v, torch.Tensor))
+
+
 def derived_tensors(model: torch.nn.Module) -> dict[tuple[torch.nn.Module, str], torch.Tensor]:
-    """Every tensor a module keeps as a plain attribute (not a parameter or buffer)."""
-    return {
-        (module, name): value
-        for module in model.modules()
-        for name, value in vars(module).items()
-        if isinstance(value, torch.Tensor)
-    }
+    return {(m, name): t for m in model.modules() for name, t in plain_tensors(m)}
 
 
 def keep_derived_in_place(before: dict[tuple[torch.nn.Module, str], torch.Tensor]) -> None:

@@ -67,19 +67,20 @@ class EngineInitInfo(WeightTransferInitInfo, WireParams):
 
 
 def parse_wire(cls: type, body: Any, what: str) -> Any:
-    """``cls(**body)``, as vLLM builds the ``what`` body (``init_info``, ``update_info``);
-    ValueError lists each ``field[index]: problem``."""
+    """``cls(**body)``, as vLLM builds the ``what`` body (``init_info for <engine>``, ...);
+    ValueError ``Invalid <what>: ...`` (vLLM's own wording) lists each ``field[index]:
+    problem``."""
     if not isinstance(body, dict):
-        raise ValueError(f"{what} must be an object of {cls.__name__} fields, got {body!r:.80}")
+        raise ValueError(f"Invalid {what}: not an object of {cls.__name__} fields: {body!r:.80}")
     try:
         return cls(**body)
     except ValidationError as e:
         problems = []
         for err in e.errors():
             where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
-            what = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{where.lstrip('.')}: {what}" if where else what)
-        raise ValueError(f"{cls.__name__}: {'; '.join(problems)}") from None
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where.lstrip('.')}: {msg}" if where else msg)
+        raise ValueError(f"Invalid {what}: {'; '.join(problems)}") from None
 
 
 def wire_params(info: WireParams) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from vllm_ascend_rl.weight_transfer.reload import plain_tensors
+
 
 def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
     """Every tensor in the runner's ``kv_caches`` (nested lists/tuples in vllm-ascend)."""
@@ -37,9 +39,8 @@ def address_ledger(model: torch.nn.Module, kv_caches: Iterable[torch.Tensor]) ->
             for name, t in tensors.items():
                 if t is not None:
                     ledger[f"{kind}:{prefix}{name}"] = t.data_ptr()
-        for name, value in vars(module).items():
-            if isinstance(value, torch.Tensor):
-                ledger[f"derived:{prefix}{name}"] = value.data_ptr()
+        for name, t in plain_tensors(module):
+            ledger[f"derived:{prefix}{name}"] = t.data_ptr()
     for i, t in enumerate(kv_caches):
         ledger[f"kv_cache:{i}"] = t.data_ptr()
     return ledger
