@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -13,7 +13,21 @@ if TYPE_CHECKING:
     from torch._C._distributed_c10d import Backend as C10dBackend
     from torch.distributed import ProcessGroup, Store
 
-    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
+
+class SleepPool(Protocol):
+    """What a device needs of the sleep allocator (``sleep/allocator.py``) to route a block's
+    allocations into it; typed here so that ``device`` never imports ``sleep``."""
+
+    device_index: int
+
+    @property
+    def allocations(self) -> dict[int, Any]: ...
+
+    def allocate(self, nbytes: int, tag: str) -> Any: ...
+
+    def tensor(self, alloc: Any, nbytes: int | None, owned: bool) -> torch.Tensor: ...
+
+    def free(self, addr: int) -> None: ...
 
 
 class IpcHandleError(ValueError):
@@ -149,7 +163,7 @@ class Device(ABC):
         """Copy the host tensor ``src`` to device address ``addr``."""
 
     @abstractmethod
-    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
         """A block in which this thread's new tensors on this device come from ``allocator``
         (``allocator.use_memory_pool`` has set ``tag`` for the native entry points)."""
 

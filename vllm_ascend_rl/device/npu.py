@@ -20,6 +20,7 @@ from vllm_ascend_rl.device.base import (
     ExportedBuffer,
     ImportedBuffer,
     IpcHandleError,
+    SleepPool,
     check_same_location,
     host_identity,
     ipc_buffer_id,
@@ -30,8 +31,6 @@ if TYPE_CHECKING:
     import torch.npu  # registered by torch_npu at import; untyped
     from torch._C._distributed_c10d import Backend as C10dBackend
     from torch.distributed import ProcessGroup, Store
-
-    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 
 # torch_npu 2.10.0.post4 ProcessGroupHCCL.hpp: enum class WatchdogStatus {INIT, RUN, STOP}.
@@ -180,7 +179,7 @@ class NpuDevice(Device):
         backend: ProcessGroupHCCL = pg._get_backend(torch.device("npu"))
         backend.abort_hccl_comm("vllm_ascend_rl: weight-transfer channel broken")
 
-    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
         return pluggable_pool(allocator)
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
@@ -310,7 +309,7 @@ _PLUGGABLE: list = []
 
 
 @contextmanager
-def pluggable_pool(allocator: CaMemAllocator) -> Iterator[None]:
+def pluggable_pool(allocator: SleepPool) -> Iterator[None]:
     """Route torch_npu allocations inside the block through ``vllm_ascend_rl.libvmm``'s ACL VMM
     entry points, which record each in the allocation table with the tag
     ``allocator.use_memory_pool`` set, and run no Python. Each entry gets a fresh pool, never
@@ -332,7 +331,7 @@ def pluggable_pool(allocator: CaMemAllocator) -> Iterator[None]:
     _trim(pool, allocator)
 
 
-def _trim(pool: torch.npu.memory.MemPool, allocator: CaMemAllocator) -> None:
+def _trim(pool: torch.npu.memory.MemPool, allocator: SleepPool) -> None:
     """Release the pool's segments that hold no live block (torch_npu's snapshot fields,
     torch_npu/csrc/npu/Module.cpp:1478-1533 in 2.10.0.post4)."""
     torch.npu.synchronize(allocator.device_index)

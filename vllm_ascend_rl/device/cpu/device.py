@@ -12,7 +12,7 @@ import time
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from multiprocessing import resource_tracker, shared_memory
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed import Store
@@ -23,6 +23,7 @@ from vllm_ascend_rl.device.base import (
     ExportedBuffer,
     ImportedBuffer,
     IpcHandleError,
+    SleepPool,
     check_same_location,
     host_identity,
     ipc_buffer_id,
@@ -30,9 +31,6 @@ from vllm_ascend_rl.device.base import (
 from vllm_ascend_rl.device.cpu.chip import check_own_chip, host_chip
 from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode
 from vllm_ascend_rl.vmm import host_copy
-
-if TYPE_CHECKING:
-    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 SHM_PREFIX = "vllm_ascend_rl_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
@@ -96,7 +94,7 @@ class CpuDevice(Device):
             pass
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
-    def memory_pool(self, allocator: CaMemAllocator, tag: str) -> AbstractContextManager[None]:
+    def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
         def pooled(nbytes: int) -> torch.Tensor:
             return allocator.tensor(allocator.allocate(nbytes, tag), nbytes, owned=True)
 
