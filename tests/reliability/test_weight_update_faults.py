@@ -51,7 +51,8 @@ NAME = "model.norm.weight"
 BAD_UPDATE = {  # update_info -> words the refusal must contain
     "shape_is_int": (
         {"names": [NAME], "dtype_names": ["bfloat16"], "shapes": [128]},
-        "Invalid update_info for AscendRLHCCLWeightTransferEngine: shapes[0]: Input should be",
+        "Invalid update_info for AscendRLHCCLWeightTransferEngine: "
+        "shapes[0]: Input should be a valid list",
     ),
     "dtype_is_int": (
         {"names": [NAME], "dtype_names": [16], "shapes": [[128]]},
