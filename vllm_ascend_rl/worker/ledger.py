@@ -5,7 +5,7 @@ weight, a scale) and KV cache tensor must stay where it was when the engine star
 workers record the ledger once start-up (and graph capture) is done; ``moved_addresses`` over
 ``/collective_rpc`` names what moved since. Any vLLM worker gets both methods with
 ``--worker-extension-cls vllm_ascend_rl.worker.ledger.AddressLedger`` (its start is then the
-first call)."""
+first ``moved_addresses`` call)."""
 
 from __future__ import annotations
 
@@ -57,22 +57,20 @@ def moved(start: dict[str, int], now: dict[str, int]) -> dict[str, list[int | No
 
 class AddressLedger:
     """Worker methods (``/collective_rpc``): ``address_ledger`` and ``moved_addresses``; as a
-    vLLM worker extension, the start is the first call."""
+    vLLM worker extension, the start is the first ``moved_addresses`` call."""
 
     model_runner: Any
     _start_addresses: dict[str, int] | None = None
 
     def address_ledger(self) -> dict[str, int]:
         runner = self.model_runner
-        ledger = address_ledger(runner.get_model(), kv_cache_tensors(runner))
-        if self._start_addresses is None:
-            self._start_addresses = ledger
-        return ledger
+        return address_ledger(runner.get_model(), kv_cache_tensors(runner))
 
     def moved_addresses(self) -> dict[str, list[int | None]]:
         """Since start-up; {} while every tensor is where the engine started with it."""
         now = self.address_ledger()
-        assert self._start_addresses is not None
+        if self._start_addresses is None:
+            self._start_addresses = now
         return moved(self._start_addresses, now)
 
 
@@ -81,6 +79,5 @@ class StartupAddressLedger(AddressLedger):
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         out = super().compile_or_warm_up_model(*args, **kwargs)  # type: ignore[misc]
-        self._start_addresses = None
-        self.address_ledger()
+        self._start_addresses = self.address_ledger()
         return out
