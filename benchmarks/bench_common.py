@@ -67,8 +67,8 @@ def bench_server(path, backend: str) -> VLLMServer:
 
 @contextmanager
 def paused(*urls: str) -> Iterator[None]:
-    """The engines paused (``keep``) inside the block: ``send_weights`` refuses an engine
-    that is not paused."""
+    """The engines paused (``keep``) inside the block, as an RL loop syncs them: the sync's time
+    then excludes waiting for steps in flight."""
     ctl = EngineControlClient(list(urls))
     ctl.pause("keep")
     try:

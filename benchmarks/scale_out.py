@@ -51,7 +51,7 @@ def pause_generating_ms(urls: list[str]) -> float:
 
 
 def sync_s(trainers: list, urls: list[str]) -> float:
-    with paused(*urls):  # send_weights refuses an engine that is not paused
+    with paused(*urls):
         t0 = time.perf_counter()
         for t in trainers:
             t.send_weights()

@@ -21,7 +21,7 @@ from tests.support import VLLMServer, free_port, greedy_token_ids
 from tests.support.addresses import assert_addresses_kept
 from tests.support.metrics import added, scrape, scrape_text, series
 from tests.support.profile import trainer_env
-from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.rl_step import check_continuations, swap_mid_generation, swap_unpaused
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
 from tests.support.vllm_features import has_route
@@ -182,17 +182,19 @@ class WeightSyncCases(WeightSyncServers):
         assert out.sync_result["bytes"] > 0
         assert check_continuations(reference.url, out) == [True] * len(out.streams)
 
-    def test_an_engine_that_is_not_paused_is_refused_before_anything_moves(
-        self, engine, trainer, on_v1, v1_probe
+    def test_an_unpaused_sync_lands_between_two_tokens_of_every_stream(
+        self, engine, reference, trainer, on_v1
     ):
-        """[N15] The forward guard is a Python hook that graph replay skips: the trainer
-        itself refuses an engine that is not paused, so no update can meet generation."""
+        """vLLM's API unchanged: ``send_weights`` on an engine that generates. The plugin
+        scheduler runs no step while the update is open (a forward pass then would also cancel
+        it, and this sync would fail), so each stream has the old weights' tokens, then exactly
+        the new weights' greedy continuation from where it stood."""
         self.init(trainer, engine)
-        with pytest.raises(TrainerError, match="the engine is not paused"):
-            trainer.send(weight_version="v2", pause=False)
-        self.assert_alive_and_intact(engine, v1_probe)
-        trainer.send(weight_version="v2")  # paused for it: the connection is intact
-        assert greedy_token_ids(engine.url, PROBE, 24) != v1_probe
+        out = swap_unpaused(engine.url, lambda: trainer.send(weight_version="v2", pause=False))
+        assert not out.problems, out.problems
+        assert out.sync_result["bytes"] > 0
+        assert check_continuations(reference.url, out) == [True] * len(out.streams)
+        assert_addresses_kept(engine.url, "an unpaused sync")
 
     # -- transactional updates ---------------------------------------------------------
     @pytest.mark.parametrize("case", list(BAD_METADATA))

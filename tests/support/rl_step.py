@@ -182,6 +182,68 @@ def swap_mid_generation(
     return out
 
 
+def _admitted_together(url: str, prompts: Sequence[str], max_tokens: int, model: str):
+    """``prompts`` streamed from ``url``, admitted behind a pause so they decode in lockstep."""
+    ctl = EngineControlClient(url, timeout_s=60)
+    streams = [StreamingCompletion(url, p, max_tokens, model=model) for p in prompts]
+    ctl.pause("keep")
+    for s in streams:
+        s.start()
+    time.sleep(0.3)
+    ctl.resume()
+    return streams
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def swap_unpaused(
+    url: str,
+    sync: Callable[[], Any],
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    max_tokens: int = 600,
+    min_tokens: int = 8,
+    model: str = "tiny",
+    timeout_s: float = 300,
+    attempts: int = 5,
+) -> SwapOutcome:
+    """Stream ``prompts``; once each has ``min_tokens``, ``sync()`` with generation running (no
+    pause). A stream's split is where it leaves the old weights' tokens, which a first run of the
+    same batch on the old weights gives; ``check_continuations`` then checks the rest."""
+    old = _admitted_together(url, prompts, max_tokens, model)
+    for s in old:
+        s.join(timeout_s)
+    for attempt in range(attempts):
+        streams = _admitted_together(url, prompts, max_tokens, model)
+        deadline = time.monotonic() + timeout_s
+        while min(s.num_tokens for s in streams) < min_tokens and time.monotonic() < deadline:
+            time.sleep(0.002)
+        seen = [s.num_tokens for s in streams]
+        if max(seen) >= max_tokens and attempt + 1 < attempts:
+            for s in streams:
+                s.join(timeout_s)
+            continue  # a stream ended before the sync: retry
+        t0 = time.perf_counter()
+        result = sync()
+        sync_ms = (time.perf_counter() - t0) * 1e3
+        for s in streams:
+            s.join(timeout_s)
+        break
+    split = [_first_difference(s.token_ids, o.token_ids) for s, o in zip(streams, old, strict=True)]
+    out = SwapOutcome(streams, split, 0.0, sync_ms, 0.0, result)
+    for i, s in enumerate(streams):
+        if not s.ok or s.finish_reason != "length" or s.num_tokens != max_tokens:
+            out.problems.append(f"request {i}: finish={s.finish_reason} tokens={s.num_tokens}")
+        if not seen[i] <= split[i] < max_tokens:
+            out.problems.append(
+                f"request {i}: left the old weights' tokens at {split[i]}, after {seen[i]} "
+                f"tokens were seen before the sync (attempts {attempts})"
+            )
+    return out
+
+
 def check_continuations(
     reference_url: str, outcome: SwapOutcome, model: str = "tiny", *, together: bool = False
 ) -> list[bool]:

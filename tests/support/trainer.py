@@ -139,7 +139,7 @@ class TrainerProcess:
     ) -> dict:
         """Sync the engine at ``url`` (default: the one initialized last). ``pause``: an
         engine that is not paused is paused (``keep``) for the sync and resumed after, as an
-        RL loop does (``send_weights`` refuses an engine that generates)."""
+        RL loop does; ``pause=False`` syncs it while it generates."""
         from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
         target = url or self.last_url

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine.core import EngineCore
 
@@ -63,3 +64,24 @@ def test_another_engine_cores_call_is_not_ours():
     assert sched.calls[0][1].engine_core is core
     sched.set_pause_state(PauseState.PAUSED_NEW)  # not from an engine-core call
     assert sched.calls[1][1].name is None
+
+
+class _Scheduled(Exception):
+    """Stops vLLM's step once the scheduler has been asked."""
+
+
+def test_a_step_is_seen_with_its_engine_core():
+    """The step gate ends an abandoned update through the engine core of the step asking."""
+    core, sched = skeleton()
+    sched.has_requests = lambda: True
+
+    def schedule(*args):
+        sched.calls.append((None, engine_core_call(sched)))
+        raise _Scheduled
+
+    sched.schedule = schedule
+    with pytest.raises(_Scheduled):
+        EngineCore.step(core)
+    ((_, call),) = sched.calls
+    assert call.name == "step", "vLLM's step no longer asks the scheduler to schedule"
+    assert call.engine_core is core

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.stand_in_config import engine_config
 from tests.unit.test_channel import run_ranks
 from tests.unit.test_ipc_transport import doorbell_pair
 from vllm_ascend_rl.device import get_device
@@ -50,11 +51,10 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 
 def _engine(cls, info):
-    parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
-    config = types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    config = engine_config()
     engine = cls(None, config, torch.device("cpu"), torch.nn.Linear(2, 2))
     engine.session.reconnect(
-        info.on_failure, info.packed_num_buffers, info.packed_buffer_size_bytes
+        info.on_failure, info.packed_num_buffers, info.packed_buffer_size_bytes, info.timeout_s
     )
     return engine
 

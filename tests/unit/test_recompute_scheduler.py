@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import inspect
 import re
+import time
+import types
 
 import pytest
+import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -17,6 +20,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.support.scheduler import SchedulerHarness, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
+from vllm_ascend_rl.readiness import ModelReadiness, Readiness, readiness_of
 
 OURS = [RecomputeScheduler, AsyncRecomputeScheduler]
 UPSTREAM_OF = {RecomputeScheduler: Scheduler, AsyncRecomputeScheduler: AsyncScheduler}
@@ -98,6 +102,98 @@ def test_paused_all_schedules_nothing_and_keeps_kv(harness):
     sched.set_pause_state(PauseState.UNPAUSED)
     out, _ = harness.step()
     assert scheduled(out) == {running.request_id: 1, queued.request_id: 24}
+
+
+def announced(harness, worker: int = 0) -> ModelReadiness:
+    """A worker's readiness, announced to the harness scheduler's step gate over the real
+    socket, as a weight-transfer engine announces it."""
+    readiness = ModelReadiness()
+    readiness.announce_to(harness.vllm_config, worker)
+    return readiness
+
+
+def test_an_open_update_holds_every_step_and_running_requests_recompute_on_the_new_weights(
+    harness,
+):
+    sched = harness.scheduler
+    req = harness.add(40)
+    for _ in range(3):
+        harness.step()
+    worker0, worker1 = announced(harness, 0), announced(harness, 1)
+    worker1.set(Readiness.UPDATING, idle_s=60)  # start_weight_update on one worker is enough
+    for _ in range(3):
+        out, _ = harness.step()
+        assert out.total_num_scheduled_tokens == 0, "a step ran during an open update"
+    assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+    assert sched.pause_state == PauseState.UNPAUSED  # /is_paused is the user's, unchanged
+    queued = harness.add(24)
+    worker0.set(Readiness.UPDATING, idle_s=60)
+    worker1.set(Readiness.WHOLE)
+    assert harness.step()[0].total_num_scheduled_tokens == 0  # worker 0 still loading
+    worker0.set(Readiness.WHOLE)  # finish_weight_update
+    out, _ = harness.step()
+    # Prompt plus every token generated before the update, recomputed on the new weights.
+    assert scheduled(out) == {req.request_id: 40 + 3, queued.request_id: 24}
+    assert req.num_output_tokens == 4 and req.num_preemptions == 1
+
+
+def test_an_update_that_opened_and_closed_between_steps_still_drops_the_old_kv(harness):
+    """An idle engine never scheduled while the update was open: the prefix cache of the old
+    weights must not serve the next request."""
+    first = harness.add(64, max_tokens=2)
+    harness.step(), harness.step()
+    assert first.is_finished()
+    worker = announced(harness)
+    worker.set(Readiness.UPDATING, idle_s=60)
+    worker.set(Readiness.WHOLE)
+    again = harness.add(64)  # the same prompt: two full blocks cached before the update
+    out, _ = harness.step()
+    assert scheduled(out) == {again.request_id: 64}  # no block served from the cache
+
+
+def test_weights_not_whole_hold_steps_until_a_complete_update(harness):
+    req = harness.add(40)
+    harness.step()
+    worker = announced(harness)
+    worker.set(Readiness.NOT_WHOLE, "a hold update failed")
+    for _ in range(2):
+        assert harness.step()[0].total_num_scheduled_tokens == 0
+    worker.set(Readiness.WHOLE)
+    assert scheduled(harness.step()[0]) == {req.request_id: 40 + 1}
+
+
+class EngineCoreStandIn:
+    """STAND-IN for vLLM's EngineCore around one step: its ``step`` frame and executor are what
+    the step gate reaches (test_engine_calls.py checks vLLM's own step against the same)."""
+
+    def __init__(self, harness, model: torch.nn.Module) -> None:
+        self.scheduler, self.rpcs = harness.scheduler, []
+        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
+
+        def collective_rpc(method):
+            self.rpcs.append(method.__name__)
+            return [method(worker)]
+
+        self.model_executor = types.SimpleNamespace(collective_rpc=collective_rpc)
+
+    def step(self):
+        return self.scheduler.schedule()
+
+
+def test_an_update_idle_past_its_bound_is_ended_and_steps_resume(harness):
+    req = harness.add(40)
+    harness.step()
+    model = torch.nn.Linear(2, 2)
+    worker = readiness_of(model)
+    worker.announce_to(harness.vllm_config, 0)
+    worker.abandon = lambda: worker.set(Readiness.WHOLE)  # the engine cancels (restore)
+    worker.set(Readiness.UPDATING, idle_s=0.2)
+    core = EngineCoreStandIn(harness, model)
+    assert core.step().total_num_scheduled_tokens == 0 and core.rpcs == []
+    time.sleep(0.25)
+    out = core.step()
+    assert core.rpcs == ["end_abandoned_update"]
+    assert scheduled(out) == {req.request_id: 40 + 1}
 
 
 def test_reset_prefix_cache_preempts_running_requests_for_recompute(harness):

@@ -41,7 +41,7 @@ class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module d
 
 def session(hold: bool = False, kept: int = 0, restored: int = 0) -> UpdateSession:
     s = UpdateSession(torch.nn.Linear(2, 2), None, get_device("cpu"), 1, "test")
-    s.reconnect("hold" if hold else "restore", buffers=2, bucket_bytes=1 << 18)
+    s.reconnect("hold" if hold else "restore", buffers=2, bucket_bytes=1 << 18, idle_s=60)
     s.reload = RecordingReload(kept, restored)
     return s
 
@@ -143,7 +143,7 @@ def test_hold_a_failed_update_leaves_generation_refused_until_one_completes():
     s.start()
     assert s.reload.calls == ["begin(keep_old=False)"]  # no backup of the old weights
     s.receive("v2-partial")
-    assert "loading (on_failure=hold)" in s.readiness.reason  # a resume would mix versions
+    assert "a weight update is open" in s.readiness.reason  # a resume would mix versions
     state = s.fail(RuntimeError("test"))
     assert "of version 'v2-partial' failed after 2 layer(s)" in state
     assert s.readiness.state is Readiness.NOT_WHOLE and s.readiness.reason in state
@@ -161,7 +161,7 @@ def test_hold_an_update_that_changed_no_layer_leaves_the_weights_whole():
     s = session(hold=True, kept=0)
     s.start()
     s.receive("v2")
-    assert s.readiness.state is Readiness.LOADING
+    assert s.readiness.state is Readiness.UPDATING
     s.fail(RuntimeError("test"))
     assert s.readiness.state is Readiness.WHOLE and s._guard is None
 

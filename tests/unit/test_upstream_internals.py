@@ -107,6 +107,16 @@ def test_scheduler_classes():
     )
 
 
+def test_pause_state_attribute():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert "self._pause_state == PauseState.PAUSED_ALL" in source(Scheduler.schedule), (
+        "vLLM's Scheduler.schedule() no longer reads self._pause_state for PAUSED_ALL: the "
+        "step gate (recompute_scheduler.py:schedule) sets it while a worker is not ready"
+    )
+    assert assigns(Scheduler.__init__, "_pause_state"), "vLLM's Scheduler lost _pause_state"
+
+
 def test_preempt_request():
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -250,7 +260,7 @@ def test_model_executor():
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.serial_utils import run_method
 
-    from vllm_ascend_rl.readiness import model_unready
+    from vllm_ascend_rl.readiness import end_abandoned_update, model_unready
 
     where = "readiness.py (engine_unready) asks the workers at every resume"
     assert assigns(EngineCore.__init__, "model_executor"), (
@@ -263,7 +273,8 @@ def test_model_executor():
 
     model = torch.nn.Linear(2, 2)  # STAND-IN worker: a model runner holding a model
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
-    for method in (model_unready, cloudpickle.dumps(model_unready)):
+    methods = (model_unready, end_abandoned_update)
+    for method in (*methods, *map(cloudpickle.dumps, methods)):
         assert run_method(worker, method, (), {}) is None, (
             f"vLLM's workers no longer run a function sent through collective_rpc: {where}"
         )

@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from tests.support.stand_in_config import engine_config
 from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 from vllm_ascend_rl.weight_transfer import engine as engine_module
@@ -77,8 +78,7 @@ def test_outside_an_engine_the_mode_is_what_its_start_flags_give(
 
 
 def _vllm_config():
-    parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
-    return types.SimpleNamespace(parallel_config=parallel, model_config=None)
+    return engine_config()
 
 
 class _NZDevice(CpuDevice):  # stands in for an NPU whose vllm-ascend has NZ on

@@ -12,6 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from tests.support.stand_in_config import engine_config
 from tests.unit.test_channel import run_ranks
 from tests.unit.test_ipc_transport import doorbell_pair
 from vllm_ascend_rl.device import get_device
@@ -91,11 +92,8 @@ def test_the_signature_covers_every_wire_parameter(field, other):
 def _engine() -> AscendRLHCCLWeightTransferEngine:
     from vllm_ascend_rl.core.recompute_scheduler import RecomputeScheduler
 
-    parallel = types.SimpleNamespace(rank=0, world_size=1, data_parallel_index=0)
     scheduler = types.SimpleNamespace(get_scheduler_cls=lambda: RecomputeScheduler)
-    config = types.SimpleNamespace(
-        parallel_config=parallel, model_config=None, scheduler_config=scheduler
-    )
+    config = engine_config(scheduler_config=scheduler)
     return AscendRLHCCLWeightTransferEngine(
         None, config, torch.device("cpu"), torch.nn.Linear(2, 2)
     )

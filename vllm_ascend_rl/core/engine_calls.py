@@ -3,7 +3,9 @@ call stack. ``/resume`` and ``/wake_up`` both end in ``scheduler.set_pause_state
 (``EngineCore.resume_scheduler``, which ``wake_up`` calls) and the scheduler is never told about
 sleep, so it looks up the stack for the utility method the engine-core client invoked by name
 (``core_client.py``, the same in vLLM 0.27.1 and 0.32). ``tests/unit/test_engine_calls.py``
-runs vLLM's own ``EngineCore`` through this on both releases."""
+runs vLLM's own ``EngineCore`` through this on both releases. A step (``step``,
+``step_with_batch_queue``) is found the same way: the step gate reaches the workers through its
+engine core."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "resume_scheduler"})
+ENGINE_CORE_CALLS = frozenset(
+    {"sleep", "wake_up", "resume_scheduler", "step", "step_with_batch_queue"}
+)
 _MAX_DEPTH = 8  # set_pause_state <- resume_scheduler (DP, then base) <- wake_up <- ...
 
 
@@ -19,7 +23,7 @@ _MAX_DEPTH = 8  # set_pause_state <- resume_scheduler (DP, then base) <- wake_up
 class EngineCoreCall:
     """The outermost engine-core call running on the engine that owns the scheduler."""
 
-    name: str | None = None  # one of ENGINE_CORE_CALLS, or None (a step, /pause, a test)
+    name: str | None = None  # one of ENGINE_CORE_CALLS, or None (/pause, a test)
     args: dict[str, Any] = field(default_factory=dict)  # that call's local variables
     engine_core: Any = None  # lets a resume ask the workers whether their weights are whole
 

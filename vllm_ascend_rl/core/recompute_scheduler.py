@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.readiness import engine_unready
+from vllm_ascend_rl.readiness import StepGate, end_abandoned_update, engine_unready
 
 logger = get_logger(__name__)
 
@@ -29,6 +29,7 @@ CONFIG_KEY = "ascend_rl"
 RECOMPUTE_MODES = ("local", "bounce")
 SLEEP_LEVELS = (0, 1, 2)  # 0 pauses scheduling only
 CONNECTORS = ("kv_transfer_config", "ec_transfer_config")  # the vllm_config fields bounce refuses
+GATE_POLL_S = 0.005  # while the step gate is closed and requests wait: how long a step waits
 
 
 def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
@@ -83,16 +84,41 @@ class RecomputeScheduler(Scheduler):
         self._in_schedule = False
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
         self._asleep: PauseState | None = None  # from a sleep to its wake: the pause before
+        self.gate = StepGate(self.vllm_config)
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
     def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        """Upstream's, behind the step gate: while a worker's model is not whole nothing is
+        scheduled, as under ``pause(keep)``; running requests are preempted when it closes,
+        so they resume by recomputing on the weights that reopen it."""
+        closed = self._step_gate_closed()
+        pause_state = self._pause_state
+        if closed:
+            self._pause_state = PauseState.PAUSED_ALL
         # Only preemptions made inside schedule() (for KV blocks) may bounce.
         self._in_schedule = True
         try:
             return super().schedule(*args, **kwargs)
         finally:
             self._in_schedule = False
+            self._pause_state = pause_state
+
+    def _step_gate_closed(self) -> bool:
+        """Whether no step may run now; ends an update left idle past its bound first."""
+        reason = self.gate.reason()
+        if reason is not None and self.gate.idle_past_bound():
+            call = engine_core_call(self)
+            if call.engine_core is not None:
+                logger.error("ending a weight update nobody finished: %s", reason)
+                call.engine_core.model_executor.collective_rpc(end_abandoned_update)
+            reason = self.gate.reason()
+        if reason is not None:
+            reason = self.gate.reason(wait_s=GATE_POLL_S)  # no busy loop while it stays closed
+        if self.gate.take_closed():  # the KV cache may hold values of replaced weights
+            self.reset_prefix_cache(reset_running_requests=True)
+            logger.info("step gate closed: running requests recompute when it opens")
+        return reason is not None
 
     def _preempt_request(
         self, request: Request, timestamp: float, drop_stale_output: bool = False

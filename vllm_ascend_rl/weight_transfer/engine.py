@@ -119,6 +119,8 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
         metrics.engine_worker(vllm_config, worker_index(self.parallel_config))
         self.session = UpdateSession(model, self.model_config, self.hw, workers, self.backend)
         self.lock = threading.RLock()
+        self.session.readiness.abandon = self._abandon
+        self.session.readiness.announce_to(vllm_config, worker_index(self.parallel_config))
         self.connection: Connection[K] = Connection(self.lock, self.hw)
         self.init_info: I | None = None
 
@@ -144,6 +146,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
                 init_info.on_failure,
                 init_info.packed_num_buffers,
                 init_info.packed_buffer_size_bytes,
+                init_info.timeout_s,
             )
             self.init_info = init_info
         self.connection.start(claim, connect, self.connects_in_background)
@@ -163,7 +166,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
                 state = self.session.fail(e)
                 if isinstance(e, ValueError):  # refusals and malformed calls: nothing loaded
                     raise WeightUpdateRefused(f"refused weight update, {state}: {e}") from e
-                if isinstance(e, RuntimeError):
+                if isinstance(e, RuntimeError) and not str(e).endswith(state):
                     raise type(e)(f"{e}; {state}") from e
                 raise
 
@@ -201,6 +204,10 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
             self.session.cancel("the weight transfer engine was shut down", "shutdown")
             self.connection.close("the weight transfer engine was shut down")
             self.session.pool.release()
+
+    def _abandon(self) -> None:
+        with self._entered():
+            self.session.abandon()
 
     def release_buffers(self) -> None:
         """Give back the receive pool (e.g. before the engine sleeps)."""

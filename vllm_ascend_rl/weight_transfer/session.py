@@ -13,7 +13,10 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
   open, so ``finish`` (or a failing ``update_weights``) follows.
 - Any end but ``finish`` from ``RECEIVED`` restores the old weights (``restore``) or, under
   ``hold`` once layers took new weights, leaves the model *not whole*: the plugin scheduler
-  refuses every resume (``readiness.py``) until an update completes."""
+  refuses every resume (``readiness.py``) until an update completes.
+- From ``start`` to the end the readiness is UPDATING: the plugin scheduler runs no step
+  (``readiness.StepGate``), and ends the update (``abandon``) once no call came for the
+  connection's ``timeout_s``."""
 
 from __future__ import annotations
 
@@ -105,6 +108,7 @@ class UpdateSession:
         self.workers_on_host, self.backend = workers_on_host, backend
         self.state = State.IDLE
         self.hold = False  # on_failure="hold": no backup of the old weights
+        self.idle_s = 120.0  # the connection's timeout_s: an open update idle longer is abandoned
         self.reload = LayerwiseReload()
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
@@ -113,11 +117,11 @@ class UpdateSession:
         self.readiness = readiness_of(model)
         self._guard: RemovableHandle | None = None
 
-    def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int) -> None:
+    def reconnect(self, on_failure: str, buffers: int, bucket_bytes: int, idle_s: float) -> None:
         """A new trainer connection: cancel any open update, apply the init's parameters (the
         receive pool holds at most ``buffers + 2`` buckets)."""
         self.cancel("init_weight_transfer_engine was called during it", "new_init")
-        self.hold = on_failure == "hold"
+        self.hold, self.idle_s = on_failure == "hold", idle_s
         self.pool.release()
         self.pool.max_bytes = (buffers + 2) * bucket_bytes
 
@@ -147,13 +151,13 @@ class UpdateSession:
         self.cancelled = None
         self.moved = dict.fromkeys(_FIGURES, 0.0)
         self._set_guard()
+        if self.readiness.state is Readiness.WHOLE:  # layers may hold either version now
+            self.readiness.set(Readiness.UPDATING, idle_s=self.idle_s)
 
     def receive(self, version: str | None) -> None:
         """``update_weights`` begins (before its handshake)."""
         self._go(Event.RECEIVE)
         self.version = version
-        if self.hold and self.readiness.state is Readiness.WHOLE:
-            self.readiness.set(Readiness.LOADING)  # layers may hold either version now
 
     def load(self, bucket: Bucket, buf: torch.Tensor, waited_s: float) -> None:
         """Load one bucket that took ``waited_s`` to arrive; layerwise reload may keep views of
@@ -169,6 +173,8 @@ class UpdateSession:
 
     def loaded(self) -> None:
         self._go(Event.LOADED)
+        if self.readiness.state is Readiness.UPDATING:  # the idle clock restarts
+            self.readiness.set(Readiness.UPDATING, idle_s=self.idle_s)
 
     def finish(self) -> None:
         """``finish_weight_update``: apply what arrived, or end an update that got nothing."""
@@ -202,6 +208,13 @@ class UpdateSession:
             self.cancelled = f"the weight update was cancelled because {why}; {held}"
             logger.error("%s", self.cancelled)
 
+    def abandon(self) -> None:
+        """The step gate saw no call for ``idle_s`` while the update was open: end it."""
+        if self.state in (State.OPEN, State.RECEIVED):
+            self.cancel(
+                f"no call came for {self.idle_s:g} s (timeout_s) while it was open", "abandoned"
+            )
+
     # -- actions -----------------------------------------------------------------------
     def _abort(self, result: str, cause: str) -> str:
         """Undo the open update's reload; what the model holds now."""
@@ -223,7 +236,7 @@ class UpdateSession:
                 "layer(s) had taken new weights (on_failure=hold); generation is refused "
                 "until a weight update completes",
             )
-        elif self.readiness.state is Readiness.LOADING:
+        elif self.readiness.state is Readiness.UPDATING:
             self.readiness.set(Readiness.WHOLE)  # no layer took new weights
         self._end(result, cause)
         if restored:

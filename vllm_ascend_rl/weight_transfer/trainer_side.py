@@ -15,7 +15,7 @@ import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
 from vllm_ascend_rl import metrics
-from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
+from vllm_ascend_rl.client import error_message
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
@@ -40,7 +40,7 @@ class WeightSyncError(RuntimeError):
 
 
 # Causes of a sync refused before any byte moved (the weights are the old ones).
-REFUSALS = ("refused_by_engine", "not_paused", "not_connected")
+REFUSALS = ("refused_by_engine", "not_connected")
 
 
 # Failures of the connection itself (as opposed to bugs in the caller's weight source).
@@ -250,7 +250,6 @@ def _send(t: Transport, weight_version: str | None) -> SyncResult:
 def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundCall:
     """start_weight_update, then update_weights (in the background) and the handshake."""
     try:
-        require_paused(t.client)
         start_update(t.client)
     except WeightSyncError as e:
         t.cancel(str(e))
@@ -267,30 +266,6 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
         reason = update.failure(t.init_info.timeout_s)
         raise WeightSyncError(f"engine refused the update: {reason}", "refused_by_engine")
     return update
-
-
-def require_paused(client: Any) -> None:
-    """Refuse to open an update while the engine generates (``client.is_paused()``, else
-    ``/is_paused``): the engine's forward guard is a Python hook, which graph replay bypasses."""
-    ask, base_url = getattr(client, "is_paused", None), getattr(client, "base_url", None)
-    paused = None
-    if callable(ask):
-        paused = ask()
-    elif base_url:
-        try:
-            paused = EngineControlClient(base_url, timeout_s=30).is_paused()
-        except EngineControlError as e:
-            raise WeightSyncError(f"could not tell whether the engine is paused: {e}") from e
-    if paused is None:
-        logger.warning("cannot tell whether %s is paused: pause it first", engine_name(client))
-    elif not paused:
-        raise WeightSyncError(
-            "the engine is not paused: pause it before send_weights (/pause, "
-            "EngineControlClient.pause) and resume after. A forward pass during an update would "
-            "run on half-loaded layers, and under full graph replay (vLLM 0.27.1's default; "
-            "vllm-ascend's ACL graphs) no hook can stop it. Nothing was sent.",
-            "not_paused",
-        )
 
 
 def start_update(client: Any) -> None:
