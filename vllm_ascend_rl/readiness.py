@@ -6,9 +6,9 @@ reads it from too. Neither ``core`` nor ``weight_transfer`` imports the other: b
 
 The plugin scheduler asks in two ways. At every resume, over the engine core's
 ``collective_rpc`` (:func:`engine_unready`). At every step, from a :class:`StepGate`: each
-worker announces its readiness when it changes, as a datagram to a Unix socket in Linux's
-abstract namespace that the scheduler binds (no file to clean up), sent before the call that
-changed it returns to the engine core. The engine core runs those calls and the steps on one
+worker announces its readiness when it changes, as a line on a Unix stream socket in Linux's
+abstract namespace that the scheduler listens on (no file to clean up), sent before the call
+that changed it returns to the engine core. The engine core runs those calls and the steps on one
 thread, so the step after ``start_weight_update`` already sees the update open, with no
 per-step call to the workers; graph replay cannot skip a check that runs before the step is
 scheduled."""
@@ -54,7 +54,8 @@ class ModelReadiness:
         self.reason: str | None = None
         self.idle_s = math.inf  # UPDATING: the scheduler ends the update after this long idle
         self.abandon: Callable[[], None] | None = None  # ends an open update (the engine's)
-        self._bell: tuple[socket.socket, str, int] | None = None
+        self._gate: tuple[str, int] | None = None  # the step gate's address, this worker
+        self._link: socket.socket | None = None
 
     def set(self, state: Readiness, reason: str | None = None, idle_s: float = math.inf) -> None:
         """``reason`` for NOT_WHOLE; the others say it themselves. Setting UPDATING again
@@ -65,21 +66,30 @@ class ModelReadiness:
 
     def announce_to(self, vllm_config: Any, worker: int) -> None:
         """Announce every change from now on to the step gate of ``vllm_config``'s engine."""
-        if self._bell is None:
-            bell = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            bell.settimeout(5.0)
-            self._bell = (bell, gate_address(vllm_config), worker)
-            self._announce()
+        self._gate = (gate_address(vllm_config), worker)
 
     def _announce(self) -> None:
-        if self._bell is None:
+        """One line of JSON on a stream connection to the gate, made at the first change (the
+        scheduler is created after the workers); a gate that is not there gates nothing."""
+        if self._gate is None:
             return
-        bell, address, worker = self._bell
+        address, worker = self._gate
         news = {"worker": worker, "reason": self.reason, "idle_s": min(self.idle_s, 1e9)}
-        try:
-            bell.sendto(json.dumps(news).encode(), address)
-        except OSError as e:  # no plugin scheduler: nothing gates the steps
-            logger.debug("step gate %r not reached: %s", address[1:], e)
+        line, error = json.dumps(news).encode() + b"\n", None
+        for _attempt in range(2):  # a link the gate closed is made again once
+            try:
+                if self._link is None:
+                    self._link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    self._link.settimeout(30.0)
+                    self._link.connect(address)
+                self._link.sendall(line)
+                return
+            except OSError as e:
+                if self._link is not None:
+                    self._link.close()
+                self._link = None
+                error = e
+        logger.debug("step gate %r not reached (no plugin scheduler?): %s", address[1:], error)
 
 
 _READINESS: WeakKeyDictionary[torch.nn.Module, ModelReadiness] = WeakKeyDictionary()
@@ -125,45 +135,70 @@ def gate_address(vllm_config: Any) -> str:
 
 
 class StepGate:
-    """The scheduler's side: which workers' models are not ready, as they announced it."""
+    """The scheduler's side: which workers' models are not ready, as they announced it. A
+    listening stream socket, one connection per worker, one JSON line per change."""
 
     def __init__(self, vllm_config: Any) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.setblocking(False)
         try:
-            self.sock.bind(gate_address(vllm_config))
+            self.listener.bind(gate_address(vllm_config))
+            self.listener.listen(256)
         except OSError as e:
             logger.warning("no step gate (%s): steps are not held during weight updates", e)
+        self.links: dict[socket.socket, bytes] = {}  # a worker's connection -> partial line
         self.unready: dict[int, tuple[str, float]] = {}  # worker -> (reason, idle deadline)
-        self.closed_since_taken = False  # some worker became unready since take_closed()
 
-    def reason(self, wait_s: float = 0.0) -> str | None:
-        """Why no step may run now, or None; waits up to ``wait_s`` for news while closed."""
-        self._drain()
-        if self.unready and wait_s > 0 and select.select([self.sock], [], [], wait_s)[0]:
-            self._drain()
+    def reason(self) -> str | None:
+        """Why no step may run now (as last read), or None."""
         return next(iter(self.unready.values()))[0] if self.unready else None
-
-    def take_closed(self) -> bool:
-        """Whether some worker became unready since the last call (the KV cache then holds
-        values of weights that may be gone)."""
-        closed, self.closed_since_taken = self.closed_since_taken, False
-        return closed
 
     def idle_past_bound(self) -> bool:
         """Some worker's open update saw no call for its idle bound."""
         now = time.monotonic()
         return any(deadline <= now for _, deadline in self.unready.values())
 
-    def _drain(self) -> None:
+    def drain(self, wait_s: float = 0.0) -> bool:
+        """Read every announcement waiting, first waiting up to ``wait_s`` for one while
+        closed; whether some worker became unready. A worker's announcement is sent before the
+        call that changed it returns to the engine core."""
+        if self.unready and wait_s > 0:
+            select.select([self.listener, *self.links], [], [], wait_s)
         while True:
             try:
-                news = json.loads(self.sock.recv(65536))
+                link, _ = self.listener.accept()
+            except OSError:  # none waiting (or no listener)
+                break
+            link.setblocking(False)
+            self.links[link] = b""
+        closed = False
+        for link in list(self.links):
+            data, alive = self._read(link)
+            *lines, rest = (self.links.pop(link) + data).split(b"\n")
+            if alive:
+                self.links[link] = rest
+            else:  # the worker is gone (its process ended)
+                link.close()
+            for line in lines:
+                closed |= self._apply(json.loads(line))
+        return closed
+
+    @staticmethod
+    def _read(link: socket.socket) -> tuple[bytes, bool]:
+        """What ``link`` has now, and whether it is still open."""
+        data = b""
+        while True:
+            try:
+                chunk = link.recv(65536)
             except BlockingIOError:
-                return
-            if news["reason"] is None:
-                self.unready.pop(news["worker"], None)
-                continue
-            deadline = time.monotonic() + news["idle_s"]
-            self.unready[news["worker"]] = (news["reason"], deadline)
-            self.closed_since_taken = True
+                return data, True
+            if not chunk:
+                return data, False
+            data += chunk
+
+    def _apply(self, news: dict[str, Any]) -> bool:
+        if news["reason"] is None:
+            self.unready.pop(news["worker"], None)
+            return False
+        self.unready[news["worker"]] = (news["reason"], time.monotonic() + news["idle_s"])
+        return True

@@ -151,6 +151,24 @@ def test_an_update_that_opened_and_closed_between_steps_still_drops_the_old_kv(h
     assert scheduled(out) == {again.request_id: 64}  # no block served from the cache
 
 
+def test_an_update_under_a_pause_keeps_the_kv_cache_as_the_pause_chose(harness):
+    """``pause(keep, clear_cache=false)`` then a sync: the trainer chose stale KV, and the
+    gate does not override it (only an update that meets generation drops the cache)."""
+    sched = harness.scheduler
+    req = harness.add(40)
+    for _ in range(3):
+        harness.step()
+    sched.set_pause_state(PauseState.PAUSED_ALL)  # /pause?mode=keep&clear_cache=false
+    worker = announced(harness)
+    worker.set(Readiness.UPDATING, idle_s=60)
+    sched.has_requests()  # the engine core reads the gate after the call that opened it
+    worker.set(Readiness.WHOLE)
+    sched.has_requests()
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert scheduled(harness.step()[0]) == {req.request_id: 1}  # decodes on, no recompute
+    assert req.num_preemptions == 0
+
+
 def test_weights_not_whole_hold_steps_until_a_complete_update(harness):
     req = harness.add(40)
     harness.step()
@@ -159,6 +177,23 @@ def test_weights_not_whole_hold_steps_until_a_complete_update(harness):
     for _ in range(2):
         assert harness.step()[0].total_num_scheduled_tokens == 0
     worker.set(Readiness.WHOLE)
+    assert scheduled(harness.step()[0]) == {req.request_id: 40 + 1}
+
+
+@pytest.mark.timeout(60)
+def test_sixteen_workers_announcing_many_changes_between_two_reads(harness):
+    """An engine core busy in one long call reads nothing meanwhile: announcements queue up
+    without blocking a worker (a datagram queue holds only ``net.unix.max_dgram_qlen``, 10)."""
+    req = harness.add(40)
+    harness.step()
+    workers = [announced(harness, w) for w in range(16)]
+    for _ in range(20):
+        for w in workers:
+            w.set(Readiness.UPDATING, idle_s=60)
+            w.set(Readiness.WHOLE)
+    workers[7].set(Readiness.UPDATING, idle_s=60)
+    assert harness.step()[0].total_num_scheduled_tokens == 0
+    workers[7].set(Readiness.WHOLE)
     assert scheduled(harness.step()[0]) == {req.request_id: 40 + 1}
 
 

@@ -85,6 +85,7 @@ class RecomputeScheduler(Scheduler):
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet
         self._asleep: PauseState | None = None  # from a sleep to its wake: the pause before
         self.gate = StepGate(self.vllm_config)
+        self._stale_kv = False  # the step gate closed while generating: drop the KV cache
         if self.recompute_mode != "local":
             logger.info("recompute_mode=%s: KV-starved requests are bounced", self.recompute_mode)
 
@@ -106,19 +107,32 @@ class RecomputeScheduler(Scheduler):
 
     def _step_gate_closed(self) -> bool:
         """Whether no step may run now; ends an update left idle past its bound first."""
-        reason = self.gate.reason()
+        reason = self._read_step_gate()
         if reason is not None and self.gate.idle_past_bound():
             call = engine_core_call(self)
             if call.engine_core is not None:
                 logger.error("ending a weight update nobody finished: %s", reason)
                 call.engine_core.model_executor.collective_rpc(end_abandoned_update)
-            reason = self.gate.reason()
+            reason = self._read_step_gate()
         if reason is not None:
-            reason = self.gate.reason(wait_s=GATE_POLL_S)  # no busy loop while it stays closed
-        if self.gate.take_closed():  # the KV cache may hold values of replaced weights
-            self.reset_prefix_cache(reset_running_requests=True)
+            reason = self._read_step_gate(GATE_POLL_S)  # no busy loop while it stays closed
+        if self._stale_kv:
+            self._stale_kv = False
+            try:
+                self.reset_prefix_cache(reset_running_requests=True)
+            except RuntimeError as e:  # blocks a KV connector still holds: those stay cached
+                logger.error("step gate: the prefix cache could not be reset: %s", e)
             logger.info("step gate closed: running requests recompute when it opens")
         return reason is not None
+
+    def _read_step_gate(self, wait_s: float = 0.0) -> str | None:
+        """The workers' news; why no step may run, or None. A worker that became unready while
+        generation was not paused makes the KV cache stale (it was computed on weights being
+        replaced): dropped as ``pause(keep)`` with ``clear_cache`` drops it. Under a pause the
+        pause's own ``clear_cache`` decided."""
+        if self.gate.drain(wait_s) and self.pause_state == PauseState.UNPAUSED:
+            self._stale_kv = True
+        return self.gate.reason()
 
     def _preempt_request(
         self, request: Request, timestamp: float, drop_stale_output: bool = False
@@ -164,7 +178,9 @@ class RecomputeScheduler(Scheduler):
         return outputs
 
     def has_requests(self) -> bool:
-        # Keeps the engine stepping until a bounce's output is delivered.
+        # Keeps the engine stepping until a bounce's output is delivered. The engine core asks
+        # after every call it runs: the step gate's news is read here even when it is idle.
+        self._read_step_gate()
         return bool(self._bounced) or super().has_requests()
 
     # -- pause state across sleep and memory release ------------------------------------
