@@ -177,6 +177,23 @@ def test_a_sleep_failing_at_any_allocation_leaves_the_engine_awake(
         assert greedy_token_ids(server.url, PROBE, 24) == baseline, f"allocation {at + 1}"
 
 
+def test_a_wake_failing_halfway_rolls_back_and_the_next_wake_serves_the_old_output(
+    server, ctl, baseline
+):
+    """A restore that fails in the middle of a level-1 wake (an ``aclrtMemcpy`` error) rolls
+    the wake back: still asleep, backups kept; the next wake serves exactly the old output,
+    every tensor where it was (the teardown's ledger check)."""
+    weights = ctl.collective_rpc("sleep_victims")[0][0]["weights"]
+    ctl.sleep(1)
+    ctl.collective_rpc("fail_next_sleep", step="restore", at=weights // 2)
+    with pytest.raises(EngineControlError, match="failed and was rolled back"):
+        ctl.wake_up()
+    assert ctl.is_sleeping() is True
+    ctl.wake_up()
+    assert ctl.is_sleeping() is False
+    assert greedy_token_ids(server.url, PROBE, 24) == baseline
+
+
 def test_level2_releases_the_weights_too_and_a_reload_from_disk_restores_them(
     server, ctl, baseline, model
 ):

@@ -1,6 +1,7 @@
 """A worker extension (``--worker-extension-cls tests.support.sleep_faults.SleepFaults``) that
-makes the next sleep fail at one allocation, as it can on an NPU: a backup copy that fails
-(pyACL's ``aclrtMemcpy`` once pinned host memory runs out) or an unmap that fails. Reached
+makes the next sleep or wake fail at one allocation, as it can on an NPU: a backup copy that
+fails (pyACL's ``aclrtMemcpy`` once pinned host memory runs out), an unmap that fails, or a
+restore that fails on waking. Reached
 through ``/collective_rpc``; the allocator under it is the real one."""
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ class SleepFaults:
 
     def fail_next_sleep(self, step: str, at: int) -> None:
         """The next sleep's ``at``-th (from 0) backup (``step="backup"``) or unmap
-        (``"unmap"``) fails, once."""
+        (``"unmap"``), or the next wake's restore of a backup (``"restore"``), fails, once."""
         allocator = CaMemAllocator.get_instance()
         calls = [0]
-        if step == "backup":
-            real = allocator._back_up
+        if step in ("backup", "restore"):
+            method = f"_{'back_up' if step == 'backup' else 'restore'}"
+            real = getattr(allocator, method)
 
-            def back_up(alloc):
+            def failing(alloc):
                 calls[0] += 1
                 if calls[0] == at + 1:
-                    del allocator._back_up
+                    delattr(allocator, method)
                     raise RuntimeError("aclrtMemcpy failed with ACL error 207001 (injected)")
                 return real(alloc)
 
-            allocator._back_up = back_up
+            setattr(allocator, method, failing)
             return
         vmm = allocator.vmm
 
