@@ -111,10 +111,10 @@ def test_an_unpaused_hccl_sync_reaches_both_ranks_between_two_tokens(server, ctl
     env = trainer_env(server.chips, colocated=False)
     with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
         init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
-        # 200 tokens a stream (the default 600 is for one worker): two workers share the two
-        # cores, and the sync needs only the first few.
+        # 600 tokens a stream: with 200 the streams could end before a sync that two workers on
+        # two busy cores made slow (CI once: every stream was v1 to its end).
         sync = lambda: trainer.send(weight_version="v2", pause=False)  # noqa: E731
-        out = swap_unpaused(server.url, sync, max_tokens=200)
+        out = swap_unpaused(server.url, sync)
     assert not out.problems, out.problems
     synced = greedy_token_ids(server.url, PROBE, 16)
     assert synced != v1
