@@ -208,10 +208,6 @@ class UpdateSession:
             self.cancelled = f"the weight update was cancelled because {why}; {held}"
             logger.error("%s", self.cancelled)
 
-    def count_refusal(self, e: BaseException) -> None:
-        """A call refused without touching the open update (another trainer's, or malformed)."""
-        self._count("refused", cause_of(e))
-
     def abandon(self) -> None:
         """The step gate saw no call for ``idle_s`` while the update was open: end it."""
         if self.state in (State.OPEN, State.RECEIVED):

@@ -52,7 +52,7 @@ class WireParams:
     packed_num_buffers: NumBuffers = 2
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] = 120.0
     on_failure: Literal["restore", "hold"] = "restore"
-    validation: Literal["partial", "complete"] = "complete"
+    validation: Literal["partial", "complete"] = "partial"
 
 
 WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
@@ -66,18 +66,12 @@ class EngineInitInfo(WeightTransferInitInfo, WireParams):
     trainer_id: str = ""
 
 
-class MalformedInfo(ValueError):
-    """An init or update body that does not parse (vLLM's parsers raise ValueError too)."""
-
-    cause = "bad_request"
-
-
 def parse_wire(cls: type, body: Any, what: str) -> Any:
     """``cls(**body)``, as vLLM builds the ``what`` body (``init_info for <engine>``, ...);
     ValueError ``Invalid <what>: ...`` (vLLM's own wording) lists each ``field[index]:
     problem``."""
     if not isinstance(body, dict):
-        raise MalformedInfo(f"Invalid {what}: not an object of {cls.__name__} fields: {body!r:.80}")
+        raise ValueError(f"Invalid {what}: not an object of {cls.__name__} fields: {body!r:.80}")
     try:
         return cls(**body)
     except ValidationError as e:
@@ -86,7 +80,7 @@ def parse_wire(cls: type, body: Any, what: str) -> Any:
             where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where.lstrip('.')}: {msg}" if where else msg)
-        raise MalformedInfo(f"Invalid {what}: {'; '.join(problems)}") from None
+        raise ValueError(f"Invalid {what}: {'; '.join(problems)}") from None
 
 
 def wire_params(info: WireParams) -> dict[str, Any]:
