@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from typing import ClassVar
 
@@ -202,7 +203,7 @@ class WeightSyncCases(WeightSyncServers):
         self, engine, trainer, on_v1, v1_probe, case
     ):
         fault, message = BAD_METADATA[case]
-        self.init(trainer, engine)
+        self.init(trainer, engine, validation="partial")  # part_of_a_layer: partial's own rule
         with pytest.raises(TrainerError, match="refused") as err:
             trainer.send(**fault)
         assert message in str(err.value)
@@ -240,13 +241,13 @@ class WeightSyncCases(WeightSyncServers):
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path
     ):
         """Frozen modules are not sent: they keep v1, the rest becomes v2, exactly what
-        vLLM's own loader makes of a checkpoint mixed that way. validation='complete'
-        refuses the same update, weights intact."""
-        self.init(trainer, engine, validation="complete")
-        with pytest.raises(TrainerError, match=r"'model\.embed_tokens\.weight' is missing"):
+        vLLM's own loader makes of a checkpoint mixed that way, once the trainer said so
+        (validation='partial'); by default the same update is refused, weights intact."""
+        self.init(trainer, engine)  # validation="complete", the default
+        with pytest.raises(TrainerError, match=r"'model\.embed_tokens\.weight', .* is missing"):
             trainer.send(freeze=FROZEN)
         self.assert_alive_and_intact(engine, v1_probe)
-        self.init(trainer, engine)  # validation="partial", the default
+        self.init(trainer, engine, validation="partial")
         result = trainer.send(weight_version="v2-partial", freeze=FROZEN)
         assert result["num_tensors"] < len(parameter_shapes(TinyModelSpec()))
         partial = greedy_token_ids(engine.url, PROBE, 24)
@@ -254,6 +255,18 @@ class WeightSyncCases(WeightSyncServers):
         mixed = mixed_checkpoint(models[0], models[1], FROZEN, tmp_path / "mixed")
         EngineControlClient(engine.url).reload_weights(str(mixed))  # vLLM's own loader
         assert greedy_token_ids(engine.url, PROBE, 24) == partial
+
+    def test_a_trainer_that_forgets_one_tensor_is_refused_by_default(
+        self, engine, trainer, on_v1, v1_probe
+    ):
+        """A name mapping that drops one layer norm: the default refuses the update, naming
+        it, instead of serving a model that is neither version."""
+        self.init(trainer, engine)
+        forgotten = "model.layers.1.post_attention_layernorm.weight"
+        with pytest.raises(TrainerError, match=rf"{re.escape(repr(forgotten))} is missing") as e:
+            trainer.send(weight_version="v2", freeze=[forgotten])
+        assert "validation='partial'" in str(e.value)
+        self.assert_alive_and_intact(engine, v1_probe)
 
     def test_weight_checker_tells_a_full_sync_from_a_wrong_one(
         self, engine, reference, trainer, on_v1
@@ -269,7 +282,7 @@ class WeightSyncCases(WeightSyncServers):
         v2 = fresh.weight_checksums()
         assert v2 and all(k.startswith("dp0:pp0:pcp0:tp0:") for k in v2)
         frozen = ["model.embed_tokens.", "model.layers.1.mlp."]
-        self.init(trainer, engine)
+        self.init(trainer, engine, validation="partial")  # wrong on purpose
         trainer.send(weight_version="v2-wrong", freeze=frozen)
         visible = sorted(k for k in v2 if any(f in k for f in frozen) and v2[k] != NO_BYTES)
         assert "dp0:pp0:pcp0:tp0:model.embed_tokens.weight" in visible

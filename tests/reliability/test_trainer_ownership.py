@@ -4,8 +4,8 @@
   that accepts and never answers) is answered at once and never stalls generation; the engine
   reports the failure by the end of ``timeout_s``.
 - While the owner lives, another trainer's init and an update nobody sends are refused at once,
-  naming the owner; the owner's syncs go on. Once the owner shuts its engine down, the other
-  trainer takes the channel.
+  naming the owner; the owner's syncs go on, also when the refused call lands inside one.
+  Once the owner shuts its engine down, the other trainer takes the channel.
 """
 
 from __future__ import annotations
@@ -101,6 +101,21 @@ class TestOwnership(WeightSyncServers):
         assert gap < TIMEOUT_S / 2
         self.assert_alive_and_intact(engine, v1_probe)
 
+    @pytest.mark.parametrize("window", ["start_weight_update", "update_weights"])
+    def test_a_foreign_update_inside_an_open_update_leaves_the_owners_sync_alone(
+        self, engine, reference, trainer, on_v1, window
+    ):
+        """A hand-written update_weights lands right after the owner's ``window`` call: it is
+        refused naming the owner, and the owner's update goes on to land exactly (vLLM's
+        worker ends its update on any error; the engine puts it back)."""
+        self.init(trainer, engine)
+        result = trainer.send(weight_version="v2", foreign_after=window)
+        ((status, text),) = result["foreign"]
+        assert status >= 400 and "belongs to trainer" in text, text
+        assert "The owner's open update goes on" in text
+        v2_probe = greedy_token_ids(reference.url, PROBE, 24)
+        assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
+
     def test_one_trainer_owns_the_channel(
         self, engine, reference, models, trainer, on_v1, v1_probe, tmp_path, plugin_env
     ):
@@ -127,6 +142,8 @@ class TestOwnership(WeightSyncServers):
             r = _post(engine.url, "/update_weights", {"update_info": update})
             assert r.status_code >= 400 and "belongs to trainer" in r.text, r.text
             assert time.monotonic() - t0 < 15, "the refusal waited"
+            # The refused call left the update opened by hand open: it ends as any other.
+            assert _post(engine.url, "/finish_weight_update", {}).status_code == 200
             ctl.resume()
             self.assert_alive_and_intact(engine, v1_probe)
 

@@ -236,6 +236,23 @@ def _faulty_source(model, faults: dict):
     return FaultySource(model)
 
 
+def _foreign_after(client, call: str, answers: list[list]) -> None:
+    """After the trainer's ``call`` returns, a hand-written ``/update_weights`` (no trainer
+    named) reaches the engine; its HTTP status and text go to ``answers``."""
+    import requests
+
+    real = getattr(client, call)
+
+    def then_foreign(*args, **kwargs):
+        out = real(*args, **kwargs)
+        body = {"names": ["model.norm.weight"], "dtype_names": ["bfloat16"], "shapes": [[128]]}
+        r = requests.post(f"{client.base_url}/update_weights", json={"update_info": body})
+        answers.append([r.status_code, r.text])
+        return out
+
+    setattr(client, call, then_foreign)
+
+
 def _patch_payload(engine, patch: dict) -> None:
     """Overwrite fields of the next update_weights payload (e.g. a corrupt IPC handle)."""
     original = engine.payload
@@ -385,6 +402,9 @@ def _serve(
                 payload_patch = faults.pop("payload", None)
                 if faults.pop("die_before_finish", False):  # every weight sent, never finished
                     engine.client.finish_weight_update = lambda *_: os._exit(17)
+                foreign: list[list] = []
+                if "foreign_after" in faults:  # a hand-written update lands in this window
+                    _foreign_after(engine.client, faults.pop("foreign_after"), foreign)
                 saved = engine.source
                 if faults:
                     engine.source = _faulty_source(model, faults)
@@ -395,6 +415,8 @@ def _serve(
                 finally:
                     engine.source = saved
                     engine.__dict__.pop("payload", None)
+                    for call in ("start_weight_update", "update_weights"):
+                        engine.client.__dict__.pop(call, None)  # its class's methods again
                 reply(
                     True,
                     {
@@ -403,6 +425,7 @@ def _serve(
                         "gbps": r.gbps,
                         "num_tensors": r.num_tensors,
                         "num_buckets": r.num_buckets,
+                        "foreign": foreign,
                     },
                 )
             else:

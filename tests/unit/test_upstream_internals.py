@@ -281,6 +281,35 @@ def test_model_executor():
 
 
 # -- vLLM: weight transfer and layerwise reload ------------------------------------------------
+def test_worker_update_flag():
+    from vllm.config import VllmConfig
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from tests.support.stand_in_config import engine_config
+    from vllm_ascend_rl.weight_transfer.hccl import AscendRLHCCLWeightTransferEngine
+
+    where = "engine.py (reset_weight_update_target) puts the owner's open update back"
+    engine = AscendRLHCCLWeightTransferEngine(
+        None, engine_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
+    )
+    worker = object.__new__(Worker)  # STAND-IN state; vLLM's own update_weights runs
+    worker.weight_transfer_engine, worker.vllm_config = engine, VllmConfig()
+    for foreign in (True, False):
+        worker._weight_update_active = True
+
+        def refuse(info, foreign=foreign):
+            engine._refused_during_update = foreign  # what a refused foreign call leaves
+            raise ValueError("refused")
+
+        engine.update_weights = refuse
+        with pytest.raises(ValueError, match="refused"):
+            Worker.update_weights(worker, {})
+        assert worker._weight_update_active is foreign, (
+            f"vLLM's Worker.update_weights no longer ends its update and then calls "
+            f"reset_weight_update_target from its own frame on an error: {where}"
+        )
+
+
 def test_info_bases():
     from vllm.distributed.weight_transfer import base
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from safetensors.torch import save_file
 from vllm.config import ModelConfig
 
 from tests.support.tiny_model import parameter_shapes
@@ -77,8 +80,9 @@ def test_complete_validation_refuses_any_missing_tensor_and_both_refuse_duplicat
     expected, good_specs
 ):
     without_head = [s for s in good_specs if s.name != "lm_head.weight"]
-    with pytest.raises(WeightUpdateRefused, match=r"'lm_head\.weight' is missing"):
-        validate_update(without_head, expected, "complete")
+    with pytest.raises(WeightUpdateRefused, match=r"'lm_head\.weight' is missing") as e:
+        validate_update(without_head, expected)  # "complete", the default
+    assert "validation='partial'" in str(e.value)
     validate_update(without_head, expected, "partial")  # a whole layer may stay out
     for validation in ("partial", "complete"):
         with pytest.raises(WeightUpdateRefused, match="sent twice"):
@@ -166,3 +170,17 @@ def test_a_restore_backup_the_host_cannot_hold_is_refused_before_any_copy(monkey
     reload.check_host_memory(2 << 30, workers_on_host=4)  # 8 GiB of 10: fine
     with pytest.raises(MemoryError, match=r"17\.5 GiB for 8 worker\(s\), but only 10\.0 GiB"):
         reload.check_host_memory(int(17.5 * 2**30 / 8), workers_on_host=8)
+
+
+def test_complete_lets_out_what_vllms_loaders_drop(tmp_path):
+    """Old checkpoints carry rotary ``inv_freq`` buffers that vLLM's loaders drop and no
+    trainer sends: ``complete`` does not ask for them."""
+    names = {"model.norm.weight": [8], "model.layers.0.self_attn.rotary_emb.inv_freq": [4]}
+    save_file({n: torch.zeros(shape) for n, shape in names.items()}, tmp_path / "m.safetensors")
+    config = SimpleNamespace(
+        model=str(tmp_path),
+        dtype=torch.float32,
+        hf_text_config=SimpleNamespace(tie_word_embeddings=False),
+    )
+    expected = expected_params(config)
+    validate_update([TensorSpec("model.norm.weight", torch.float32, (8,))], expected)

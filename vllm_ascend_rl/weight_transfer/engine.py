@@ -6,6 +6,7 @@ Every method vLLM calls holds ``lock``."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,8 +22,8 @@ from vllm_ascend_rl import metrics
 from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import device_for, worker_index
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes
-from vllm_ascend_rl.weight_transfer.connection import Connection, Link
-from vllm_ascend_rl.weight_transfer.session import UpdateSession
+from vllm_ascend_rl.weight_transfer.connection import Connection, Link, NotOwner
+from vllm_ascend_rl.weight_transfer.session import State, UpdateCancelled, UpdateSession
 from vllm_ascend_rl.weight_transfer.validation import (
     ExpectedParam,
     WeightUpdateRefused,
@@ -123,6 +124,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
         self.session.readiness.announce_to(vllm_config, worker_index(self.parallel_config))
         self.connection: Connection[K] = Connection(self.lock, self.hw)
         self.init_info: I | None = None
+        self._refused_during_update = False  # a call not the owner's, refused mid-update
 
     def dial(self, info: I) -> Callable[[float], K]:
         """Check ``info`` against this worker (ValueError now), and say how to connect."""
@@ -158,17 +160,39 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
-        its error says what the model holds now."""
+        its error says what the model holds now. Another trainer's call is refused and leaves
+        the owner's open update alone."""
         with self._entered():
+            opened = self.session.state in (State.OPEN, State.RECEIVED)
             try:
                 WeightTransferEngine.update_weights(self, update_info)
             except Exception as e:
+                if opened and isinstance(e, NotOwner):
+                    self.session.count_refusal(e)
+                    self._refused_during_update = True  # see reset_weight_update_target
+                    raise WeightUpdateRefused(
+                        f"refused weight update: {e}. The owner's open update goes on", e.cause
+                    ) from e
                 state = self.session.fail(e)
                 if isinstance(e, ValueError):  # refusals and malformed calls: nothing loaded
                     raise WeightUpdateRefused(f"refused weight update, {state}: {e}") from e
-                if isinstance(e, RuntimeError) and not str(e).endswith(state):
+                if isinstance(e, RuntimeError) and not isinstance(e, UpdateCancelled):
                     raise type(e)(f"{e}; {state}") from e
                 raise
+
+    def reset_weight_update_target(self) -> None:
+        """vLLM's worker calls this after it ended its update because ``update_weights``
+        raised (``gpu_worker.py:1581-1585`` in 0.32.0, ``:1295-1298`` in 0.27.1). After a
+        refused call that was not the owner's, the owner's update is still open here, so the
+        worker's is put back: the caller's ``_weight_update_active``. vllm-ascend's
+        ``NPUWorker`` calls no hook (``worker.py:320-325`` at 182b75e): there the owner's next
+        call fails with vLLM's "start_weight_update must be called before update_weights"."""
+        super().reset_weight_update_target()
+        if self._refused_during_update:
+            self._refused_during_update = False
+            worker = sys._getframe(1).f_locals.get("self")
+            if worker is not None and getattr(worker, "weight_transfer_engine", None) is self:
+                worker._weight_update_active = True
 
     def receive_weights(self, update_info: U, **legacy: Any) -> None:
         if "load_weights" in legacy:  # vllm-ascend v0.22-v0.26 and tag v0.23.0

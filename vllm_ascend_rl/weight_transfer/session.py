@@ -87,6 +87,10 @@ class IllegalTransition(RuntimeError):
     cause = "out_of_sequence"
 
 
+class UpdateCancelled(IllegalTransition):
+    """A call on an update already cancelled; the message says why and what the model holds."""
+
+
 def cause_of(e: BaseException) -> str:
     """The metrics' cause code of a failed or refused update (an exception's ``cause``)."""
     return getattr(e, "cause", None) or ("bad_request" if isinstance(e, ValueError) else "error")
@@ -127,15 +131,20 @@ class UpdateSession:
 
     def _go(self, event: Event) -> State:
         """Move on ``event``; the state before. IllegalTransition (nothing changed) if forbidden."""
-        after = TRANSITIONS.get((self.state, event))
-        if after is None:
-            raise IllegalTransition(self._illegal(event))
-        before, self.state = self.state, after
+        before, self.state = self.state, self._next(event)
         return before
 
+    def _next(self, event: Event) -> State:
+        """The state ``event`` leads to; IllegalTransition if forbidden (UpdateCancelled after a
+        cancellation, saying why)."""
+        after = TRANSITIONS.get((self.state, event))
+        if after is None and self.state is State.CANCELLED:
+            raise UpdateCancelled(self.cancelled or "the weight update was cancelled")
+        if after is None:
+            raise IllegalTransition(self._illegal(event))
+        return after
+
     def _illegal(self, event: Event) -> str:
-        if self.state is State.CANCELLED:
-            return self.cancelled or "the weight update was cancelled"
         if event is Event.RECEIVE:
             return "update_weights called without start_weight_update"
         return f"{event.value} is not allowed while the weight update is {self.state.value}"
@@ -144,8 +153,7 @@ class UpdateSession:
     def start(self) -> None:
         """``start_weight_update``: open layerwise reload (with a host copy of the old weights
         unless ``hold``) and guard the forward pass."""
-        if self.state is not State.IDLE:
-            raise IllegalTransition(self._illegal(Event.START))
+        self._next(Event.START)  # before the host copy
         self.reload.begin(self.model, self.model_config, not self.hold, self.workers_on_host)
         self._go(Event.START)
         self.cancelled = None
@@ -207,6 +215,10 @@ class UpdateSession:
             held = self._abort("cancelled", cause)
             self.cancelled = f"the weight update was cancelled because {why}; {held}"
             logger.error("%s", self.cancelled)
+
+    def count_refusal(self, e: BaseException) -> None:
+        """Another trainer's call, refused without touching the open update."""
+        self._count("refused", cause_of(e))
 
     def abandon(self) -> None:
         """The step gate saw no call for ``idle_s`` while the update was open: end it."""

@@ -20,6 +20,15 @@ logger = get_logger(__name__)
 
 
 MAX_TENSOR_BYTES = 1 << 40  # a shape beyond this is a malformed request, not a weight
+# Checkpoint tensors vLLM's loaders drop (AutoWeightsLoader: REMOVE_UNUSED_ROTARY_EMBEDS_MAPPER,
+# models/utils.py:233-240 in 0.32.0; ROTARY_EMBEDS_UNUSED_WEIGHTS, :191-196 in 0.27.1): a trainer
+# need not send them.
+DROPPED_BY_VLLM = (
+    "rotary_pos_emb.inv_freq",
+    "rotary_emb.inv_freq",
+    "rotary_emb.cos_cached",
+    "rotary_emb.sin_cached",
+)
 
 
 class WeightUpdateRefused(ValueError):
@@ -100,6 +109,7 @@ def expected_params(model_config: Any) -> dict[str, ExpectedParam] | None:
     for name, (dtype, shape) in params.items():
         accepted = {dtype, served} if dtype.is_floating_point else {dtype}
         optional = tied and name.endswith("lm_head.weight")
+        optional = optional or any(dropped in name for dropped in DROPPED_BY_VLLM)
         out[name] = ExpectedParam(shape, frozenset(accepted), required=not optional)
     return out
 
@@ -148,12 +158,14 @@ def serving_layer(name: str, packed_modules: dict[str, list[str]] | None = None)
 def validate_update(
     specs: Sequence[TensorSpec],
     expected: dict[str, ExpectedParam] | None,
-    validation: str = "partial",
+    validation: str = "complete",
     packed_modules: dict[str, list[str]] | None = None,
 ) -> None:
     """Raise WeightUpdateRefused naming the first parameter that does not fit the model.
+    ``"complete"`` (the default) refuses any missing checkpoint tensor: a trainer whose name
+    mapping drops a tensor would otherwise serve a model that is neither version.
     ``validation="partial"`` may omit whole layers (frozen modules keep their weights), never
-    part of one; ``"complete"`` refuses any missing checkpoint tensor."""
+    part of one."""
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
@@ -181,9 +193,11 @@ def validate_update(
         return
     missing = [n for n, p in expected.items() if p.required and n not in seen]
     if missing and validation == "complete":
+        first = ", ".join(repr(n) for n in missing[:3])
         raise WeightUpdateRefused(
-            f"parameter {missing[0]!r} is missing ({len(missing)} missing in all): "
-            "with validation='complete' updates must carry every checkpoint tensor"
+            f"parameter {first} is missing ({len(missing)} missing in all): an update must "
+            "carry every checkpoint tensor (validation='complete', the default); to leave "
+            "frozen layers out, init with validation='partial'"
         )
     sent_layers = {serving_layer(n, packed_modules) for n in seen}
     for name in missing:

@@ -52,7 +52,7 @@ class WireParams:
     packed_num_buffers: NumBuffers = 2
     timeout_s: Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] = 120.0
     on_failure: Literal["restore", "hold"] = "restore"
-    validation: Literal["partial", "complete"] = "partial"
+    validation: Literal["partial", "complete"] = "complete"
 
 
 WIRE_FIELDS = tuple(f.name for f in fields(WireParams))
