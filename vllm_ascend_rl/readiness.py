@@ -100,10 +100,15 @@ def readiness_of(model: torch.nn.Module) -> ModelReadiness:
     return _READINESS.setdefault(model, ModelReadiness())
 
 
+def worker_readiness(worker: Any) -> ModelReadiness:
+    """The readiness of a vLLM worker's model."""
+    return readiness_of(worker.model_runner.get_model())
+
+
 def model_unready(worker: Any) -> str | None:
     """Run on a worker: why generation must not resume, or None. An open update does not
     refuse a resume: the step gate holds the steps until it ends (or is abandoned)."""
-    readiness = readiness_of(worker.model_runner.get_model())
+    readiness = worker_readiness(worker)
     return None if readiness.state is Readiness.UPDATING else readiness.reason
 
 
@@ -123,7 +128,7 @@ def engine_unready(engine_core: Any) -> str | None:
 def end_abandoned_update(worker: Any) -> None:
     """Run on a worker (the step gate's ``collective_rpc``): end an update left open past its
     idle bound."""
-    abandon = readiness_of(worker.model_runner.get_model()).abandon
+    abandon = worker_readiness(worker).abandon
     if abandon is not None:
         abandon()
 

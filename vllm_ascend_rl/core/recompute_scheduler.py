@@ -122,7 +122,8 @@ class RecomputeScheduler(Scheduler):
                 self.reset_prefix_cache(reset_running_requests=True)
             except RuntimeError as e:  # blocks a KV connector still holds: those stay cached
                 logger.error("step gate: the prefix cache could not be reset: %s", e)
-            logger.info("step gate closed: running requests recompute when it opens")
+            else:
+                logger.info("step gate closed: running requests recompute when it opens")
         return reason is not None
 
     def _read_step_gate(self, wait_s: float = 0.0) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any
 
-from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, readiness_of
+from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, worker_readiness
 from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class SleepableMixin(StartupAddressLedger):
 
     @property
     def readiness(self) -> ModelReadiness:
-        return readiness_of(self.model_runner.get_model())
+        return worker_readiness(self)
 
     @staticmethod
     def check_sleep_level(level: int) -> None:
