@@ -65,6 +65,19 @@ def bench_server(path, backend: str) -> VLLMServer:
     )
 
 
+def init_hccl_trainer(trainer, url: str) -> None:
+    """A ``tests.support.trainer.TrainerProcess`` on the HCCL backend, rank 0 of 2 (one
+    engine worker), bound to the engine at ``url``."""
+    trainer.init(
+        "ascend_rl_hccl",
+        url,
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        world_size=2,
+        timeout_s=120,
+    )
+
+
 @contextmanager
 def paused(*urls: str) -> Iterator[None]:
     """The engines paused (``keep``) inside the block, as an RL loop syncs them: the sync's time

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 import psutil
+from bench_common import init_hccl_trainer
 
 from tests.support import (
     PLUGIN_SCHEDULER,
     VLLMServer,
     build_model_pair,
     engine_args,
-    free_port,
 )
 from tests.support.profile import current_profile, trainer_env
 from tests.support.rl_step import PROMPTS, swap_mid_generation
@@ -86,14 +86,7 @@ def main() -> int:
     problems: list[str] = []
     with server, TrainerProcess(v2, env=env) as trainer:
         ctl = EngineControlClient(server.url, timeout_s=600)
-        trainer.init(
-            "ascend_rl_hccl",
-            server.url,
-            master_address="127.0.0.1",
-            master_port=free_port(),
-            world_size=2,
-            timeout_s=120,
-        )
+        init_hccl_trainer(trainer, server.url)
 
         def cycle(i: int) -> None:
             nonlocal lost, sleeps

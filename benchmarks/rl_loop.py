@@ -1,0 +1,244 @@
+"""The RL loop under load: rollouts flowing through many weight syncs, per sync policy.
+
+One server at a time (vLLM's own scheduler, then the plugin's), a ~210 MB bf16 model, an HCCL
+trainer in its own process. ``--streams`` rollout clients each stream completions of
+``--max-tokens`` (``ignore_eos``) back to back, so the engine always has that many requests.
+On each server, one phase per policy:
+
+  steady          no sync for ``--steady-s``: the reference tokens/s and decode step
+  keep            ``--cycles`` x (pause(keep) -> sync -> resume), one every ``--interval-s``
+                  (the trainer's step): vLLM's default, ``clear_cache=True``, preempts every
+                  running request, which recomputes its prompt and output at resume
+  keep-kv         the same with ``clear_cache=False``: the KV cache (computed on the old
+                  weights) is kept, nothing recomputes
+  unpaused        (plugin scheduler only) the sync with no pause: the step gate holds steps
+                  while the update is open and drops the KV cache, as ``keep`` does
+
+Figures per phase: tokens/s (received by the clients over the phase) / steady tokens/s; the
+median ``/pause`` acknowledgement against the steady decode step plus one HTTP round trip;
+the median sync. Target: on the plugin scheduler, some documented policy keeps >= 0.5 of the
+steady tokens/s with the pause acknowledged within 2 x (step + rtt) at the median.
+
+    PYTHONPATH=. python benchmarks/rl_loop.py [--streams 32 --cycles 20 --interval-s 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import requests
+from bench_common import MEDIUM_SPEC, init_hccl_trainer
+
+from tests.support import (
+    PLUGIN_SCHEDULER,
+    StreamingCompletion,
+    VLLMServer,
+    build_model_pair,
+    engine_args,
+)
+from tests.support.profile import trainer_env
+from tests.support.rl_step import PROMPTS
+from tests.support.trainer import TrainerProcess
+from vllm_ascend_rl.client import EngineControlClient
+
+HCCL = json.dumps({"backend": "ascend_rl_hccl"})
+
+
+class Rollouts:
+    """``n`` clients streaming completions back to back; every token's arrival time."""
+
+    def __init__(self, url: str, n: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.streams: list[StreamingCompletion] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._client, args=(f"{PROMPTS[i % 4]} ({i})",), daemon=True)
+            for i in range(n)
+        ]
+
+    def _client(self, prompt: str) -> None:
+        while not self._stop.is_set():
+            s = StreamingCompletion(self.url, prompt, self.max_tokens, ignore_eos=True)
+            with self._lock:
+                self.streams.append(s)
+            s.run()
+            if not s.ok and not self._stop.is_set():
+                self.errors.append(s.error or f"finish_reason={s.finish_reason}")
+
+    def tokens_between(self, t0: float, t1: float) -> int:
+        with self._lock:
+            return sum(t0 <= t < t1 for s in self.streams for t in list(s.token_times))
+
+    def step_ms(self, t0: float, t1: float) -> float:
+        """Median gap between two tokens of one stream, both in [t0, t1)."""
+        gaps: list[float] = []
+        with self._lock:
+            for s in self.streams:
+                times = [t for t in list(s.token_times) if t0 <= t < t1]
+                gaps += [b - a for a, b in itertools.pairwise(times)]
+        return statistics.median(gaps) * 1e3 if gaps else float("nan")
+
+    def __enter__(self) -> Rollouts:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        ctl = EngineControlClient(self.url, timeout_s=120)
+        ctl.pause("abort")  # ends the streams in flight
+        ctl.resume()
+        for t in self._threads:
+            t.join(120)
+
+
+@dataclass
+class Phase:
+    server: str
+    policy: str
+    tokens_per_s: float
+    step_ms: float = float("nan")
+    pause_ms: float = float("nan")
+    sync_ms: float = float("nan")
+    cycles: int = 0
+
+
+def rtt_ms(url: str) -> float:
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        requests.get(f"{url}/v1/models", timeout=30).raise_for_status()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def cycles_phase(
+    server: str, policy: str, url: str, trainer: TrainerProcess, load: Rollouts, args
+) -> Phase:
+    """``args.cycles`` syncs, one every ``args.interval_s``, under ``policy``."""
+    ctl = EngineControlClient(url, timeout_s=600)
+    pauses, syncs = [], []
+    t0 = time.monotonic()
+    for i in range(args.cycles):
+        time.sleep(max(0.0, t0 + i * args.interval_s - time.monotonic()))
+        if policy != "unpaused":
+            t = time.perf_counter()
+            ctl.pause("keep", clear_cache=policy == "keep")
+            pauses.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        trainer.send(weight_version=f"{policy}-{i}", pause=False)
+        syncs.append((time.perf_counter() - t) * 1e3)
+        if policy != "unpaused":
+            ctl.resume()
+    t1 = time.monotonic()
+    return Phase(
+        server,
+        policy,
+        load.tokens_between(t0, t1) / (t1 - t0),
+        pause_ms=statistics.median(pauses) if pauses else float("nan"),
+        sync_ms=statistics.median(syncs),
+        cycles=args.cycles,
+    )
+
+
+def run_server(name: str, scheduler_args: list[str], v1, v2, args) -> tuple[list[Phase], float]:
+    server = VLLMServer(
+        v1,
+        kv_cache_gib=2,
+        max_model_len=args.max_tokens + 64,
+        extra_args=[
+            *engine_args(),
+            "--max-num-seqs",
+            str(args.streams),
+            *scheduler_args,
+            "--weight-transfer-config",
+            HCCL,
+        ],
+    )
+    env = trainer_env(engine_chips=1, colocated=False)
+    policies = ["keep", "keep-kv"] + (["unpaused"] if scheduler_args else [])
+    with server, TrainerProcess(v2, env=env) as trainer:
+        init_hccl_trainer(trainer, server.url)
+        with Rollouts(server.url, args.streams, args.max_tokens) as load:
+            time.sleep(args.warmup_s)  # every client streaming, first-token effects gone
+            t0 = time.monotonic()
+            time.sleep(args.steady_s)
+            t1 = time.monotonic()
+            steady = Phase(name, "steady", load.tokens_between(t0, t1) / (t1 - t0))
+            steady.step_ms = load.step_ms(t0, t1)
+            rtt = rtt_ms(server.url)
+            phases = [steady]
+            for policy in policies:
+                phases.append(cycles_phase(name, policy, server.url, trainer, load, args))
+                print(f"{name} {policy}: {phases[-1].tokens_per_s:.0f} tokens/s", flush=True)
+                time.sleep(args.warmup_s)  # recomputation of the last cycle out of the way
+        if load.errors:
+            raise SystemExit(f"{name}: {len(load.errors)} rollout(s) failed: {load.errors[:3]}")
+    return phases, rtt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--cycles", type=int, default=20)
+    ap.add_argument("--interval-s", type=float, default=5.0, help="the trainer's step")
+    ap.add_argument("--max-tokens", type=int, default=512)
+    ap.add_argument("--steady-s", type=float, default=20.0)
+    ap.add_argument("--warmup-s", type=float, default=8.0)
+    args = ap.parse_args()
+
+    v1, v2 = build_model_pair(MEDIUM_SPEC)  # decode steps of tens of ms, as on the issue's host
+    rows: list[tuple[Phase, Phase, float]] = []
+    for name, scheduler_args in (
+        ("vLLM", []),
+        ("plugin", ["--scheduler-cls", PLUGIN_SCHEDULER]),
+    ):
+        phases, rtt = run_server(name, scheduler_args, v1, v2, args)
+        rows += [(p, phases[0], rtt) for p in phases]
+
+    print(
+        f"\n{args.streams} streams x {args.max_tokens} tokens, {args.cycles} syncs one every "
+        f"{args.interval_s:g} s\n"
+    )
+    print(
+        "| scheduler | policy | tokens/s | / steady | pause ms | pause / (step + rtt) | sync ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    met = False
+    for p, steady, rtt in rows:
+        ratio = p.tokens_per_s / steady.tokens_per_s
+        bound = p.pause_ms / (steady.step_ms + rtt)
+        cells = [
+            p.server,
+            p.policy
+            if p.policy != "steady"
+            else f"steady (step {steady.step_ms:.0f} ms, rtt {rtt:.1f} ms)",
+            f"{p.tokens_per_s:.0f}",
+            f"{ratio:.2f}",
+            f"{p.pause_ms:.0f}",
+            f"{bound:.2f}",
+            f"{p.sync_ms:.0f}",
+        ]
+        print("| " + " | ".join(c.replace("nan", "-") for c in cells) + " |")
+        if p.server == "plugin" and p.policy == "keep-kv":
+            met = ratio >= 0.5 and bound <= 2.0
+    print(
+        "\ntarget (plugin, keep-kv: >= 0.5 of steady, pause <= 2 x (step + rtt)):",
+        "met" if met else "NOT met",
+    )
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
