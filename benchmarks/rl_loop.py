@@ -14,6 +14,9 @@ On each server, one phase per policy:
   unpaused        (plugin scheduler only) the sync with no pause: the step gate holds steps
                   while the update is open and drops the KV cache, as ``keep`` does
 
+A third server runs ``keep`` with vLLM's ``--max-num-batched-tokens`` at ``--budget``: each
+step recomputes at most that many tokens, so a pause waits for a shorter step.
+
 Figures per phase: tokens/s (received by the clients over the phase) / steady tokens/s; the
 median ``/pause`` acknowledgement against the steady decode step plus one HTTP round trip;
 the median sync. Target: on the plugin scheduler, some documented policy keeps >= 0.5 of the
@@ -151,7 +154,9 @@ def cycles_phase(
     )
 
 
-def run_server(name: str, scheduler_args: list[str], v1, v2, args) -> tuple[list[Phase], float]:
+def run_server(
+    name: str, server_args: list[str], policies: list[str], v1, v2, args
+) -> tuple[list[Phase], float]:
     server = VLLMServer(
         v1,
         kv_cache_gib=2,
@@ -160,13 +165,12 @@ def run_server(name: str, scheduler_args: list[str], v1, v2, args) -> tuple[list
             *engine_args(),
             "--max-num-seqs",
             str(args.streams),
-            *scheduler_args,
+            *server_args,
             "--weight-transfer-config",
             HCCL,
         ],
     )
     env = trainer_env(engine_chips=1, colocated=False)
-    policies = ["keep", "keep-kv"] + (["unpaused"] if scheduler_args else [])
     with server, TrainerProcess(v2, env=env) as trainer:
         init_hccl_trainer(trainer, server.url)
         with Rollouts(server.url, args.streams, args.max_tokens) as load:
@@ -195,15 +199,22 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--steady-s", type=float, default=20.0)
     ap.add_argument("--warmup-s", type=float, default=8.0)
+    ap.add_argument("--budget", type=int, default=256, help="--max-num-batched-tokens, 3rd server")
     args = ap.parse_args()
 
     v1, v2 = build_model_pair(MEDIUM_SPEC)  # decode steps of tens of ms, as on the host
     rows: list[tuple[Phase, Phase, float]] = []
-    for name, scheduler_args in (
-        ("vLLM", []),
-        ("plugin", ["--scheduler-cls", PLUGIN_SCHEDULER]),
+    budget = ["--max-num-batched-tokens", str(args.budget)]
+    for name, server_args, policies in (
+        ("vLLM", [], ["keep", "keep-kv"]),
+        ("plugin", ["--scheduler-cls", PLUGIN_SCHEDULER], ["keep", "keep-kv", "unpaused"]),
+        (
+            f"plugin, {args.budget}-token steps",
+            ["--scheduler-cls", PLUGIN_SCHEDULER, *budget],
+            ["keep"],
+        ),
     ):
-        phases, rtt = run_server(name, scheduler_args, v1, v2, args)
+        phases, rtt = run_server(name, server_args, policies, v1, v2, args)
         rows += [(p, phases[0], rtt) for p in phases]
 
     print(
