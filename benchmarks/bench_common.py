@@ -3,10 +3,13 @@ engines for either backend, and the transport-only measurement."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import requests
@@ -63,6 +66,26 @@ def bench_server(path, backend: str) -> VLLMServer:
         ],
         env={"PYTHONPATH": os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")]))},
     )
+
+
+def step_ms(streams: Iterable, since: float, until: float = math.inf) -> float:
+    """Median interval between consecutive tokens of a stream (``token_times``) in
+    [since, until), over every stream."""
+    gaps = []
+    for s in streams:
+        times = [t for t in list(s.token_times) if since <= t < until]
+        gaps += [b - a for a, b in itertools.pairwise(times) if b > a]
+    return 1e3 * statistics.median(gaps)
+
+
+def rtt_ms(url: str) -> float:
+    """One HTTP round trip to the server at ``url`` (``GET /v1/models``, median of 5)."""
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        requests.get(url + "/v1/models", timeout=30).raise_for_status()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def init_hccl_trainer(trainer, url: str) -> None:

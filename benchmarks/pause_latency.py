@@ -19,13 +19,10 @@ reaches: every pause on either server pays those 20 ms.
 from __future__ import annotations
 
 import argparse
-import itertools
-import statistics
 import sys
 import time
 
-import requests
-from bench_common import MEDIUM_SPEC
+from bench_common import MEDIUM_SPEC, rtt_ms, step_ms
 from charts import pause_chart
 from rounds import MIN_ROUNDS, Target, interleaved, median, report, spread
 
@@ -45,24 +42,6 @@ STREAMS = (1, 8, 32)
 MODES = ("keep", "abort")
 MAX_TOKENS = 96  # ~30 tokens are out when the pause is sent
 WINDOW_S = 0.5  # decode steps are read from this much of steady generation
-
-
-def step_ms(streams: list[StreamingCompletion], since: float) -> float:
-    """Median interval between consecutive tokens of a stream, over every stream."""
-    gaps = []
-    for s in streams:
-        times = [t for t in s.token_times if t >= since]
-        gaps += [b - a for a, b in itertools.pairwise(times) if b > a]
-    return 1e3 * statistics.median(gaps)
-
-
-def rtt_ms(url: str) -> float:
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        requests.get(url + "/v1/models", timeout=30).raise_for_status()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def one_pause(url: str, n: int, mode: str) -> tuple[float, float, float]:

@@ -28,81 +28,50 @@ steady tokens/s with the pause acknowledged within 2 x (step + rtt) at the media
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import statistics
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-import requests
-from bench_common import MEDIUM_SPEC, init_hccl_trainer
+from bench_common import MEDIUM_SPEC, init_hccl_trainer, rtt_ms, step_ms
 
 from tests.support import (
     PLUGIN_SCHEDULER,
-    StreamingCompletion,
     VLLMServer,
     build_model_pair,
     engine_args,
 )
 from tests.support.profile import trainer_env
 from tests.support.rl_step import PROMPTS
+from tests.support.streams import TokenClock
 from tests.support.trainer import TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
 HCCL = json.dumps({"backend": "ascend_rl_hccl"})
 
 
-class Rollouts:
-    """``n`` clients streaming completions back to back; every token's arrival time."""
+@contextmanager
+def rollouts(url: str, n: int, max_tokens: int) -> Iterator[list[TokenClock]]:
+    """``n`` clients streaming completions of ``max_tokens`` back to back; on exit the streams
+    in flight are aborted (a clock stops at a stream that did not finish)."""
+    clocks = [TokenClock(url, f"{PROMPTS[i % 4]} ({i})", max_tokens) for i in range(n)]
+    with ExitStack() as stack:
+        for clock in clocks:
+            stack.enter_context(clock)
+        try:
+            yield clocks
+        finally:
+            ctl = EngineControlClient(url, timeout_s=120)
+            ctl.pause("abort")
+            ctl.resume()
 
-    def __init__(self, url: str, n: int, max_tokens: int) -> None:
-        self.url, self.max_tokens = url, max_tokens
-        self.streams: list[StreamingCompletion] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._client, args=(f"{PROMPTS[i % 4]} ({i})",), daemon=True)
-            for i in range(n)
-        ]
 
-    def _client(self, prompt: str) -> None:
-        while not self._stop.is_set():
-            s = StreamingCompletion(self.url, prompt, self.max_tokens, ignore_eos=True)
-            with self._lock:
-                self.streams.append(s)
-            s.run()
-            if not s.ok and not self._stop.is_set():
-                self.errors.append(s.error or f"finish_reason={s.finish_reason}")
-
-    def tokens_between(self, t0: float, t1: float) -> int:
-        with self._lock:
-            return sum(t0 <= t < t1 for s in self.streams for t in list(s.token_times))
-
-    def step_ms(self, t0: float, t1: float) -> float:
-        """Median gap between two tokens of one stream, both in [t0, t1)."""
-        gaps: list[float] = []
-        with self._lock:
-            for s in self.streams:
-                times = [t for t in list(s.token_times) if t0 <= t < t1]
-                gaps += [b - a for a, b in itertools.pairwise(times)]
-        return statistics.median(gaps) * 1e3 if gaps else float("nan")
-
-    def __enter__(self) -> Rollouts:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        ctl = EngineControlClient(self.url, timeout_s=120)
-        ctl.pause("abort")  # ends the streams in flight
-        ctl.resume()
-        for t in self._threads:
-            t.join(120)
+def tokens_between(clocks: list[TokenClock], t0: float, t1: float) -> int:
+    return sum(t0 <= t < t1 for clock in clocks for t in clock.times())
 
 
 @dataclass
@@ -113,20 +82,10 @@ class Phase:
     step_ms: float = float("nan")
     pause_ms: float = float("nan")
     sync_ms: float = float("nan")
-    cycles: int = 0
-
-
-def rtt_ms(url: str) -> float:
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        requests.get(f"{url}/v1/models", timeout=30).raise_for_status()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def cycles_phase(
-    server: str, policy: str, url: str, trainer: TrainerProcess, load: Rollouts, args
+    server: str, policy: str, url: str, trainer: TrainerProcess, load: list[TokenClock], args
 ) -> Phase:
     """``args.cycles`` syncs, one every ``args.interval_s``, under ``policy``."""
     ctl = EngineControlClient(url, timeout_s=600)
@@ -147,10 +106,9 @@ def cycles_phase(
     return Phase(
         server,
         policy,
-        load.tokens_between(t0, t1) / (t1 - t0),
+        tokens_between(load, t0, t1) / (t1 - t0),
         pause_ms=statistics.median(pauses) if pauses else float("nan"),
         sync_ms=statistics.median(syncs),
-        cycles=args.cycles,
     )
 
 
@@ -173,21 +131,22 @@ def run_server(
     env = trainer_env(engine_chips=1, colocated=False)
     with server, TrainerProcess(v2, env=env) as trainer:
         init_hccl_trainer(trainer, server.url)
-        with Rollouts(server.url, args.streams, args.max_tokens) as load:
+        with rollouts(server.url, args.streams, args.max_tokens) as load:
             time.sleep(args.warmup_s)  # every client streaming, first-token effects gone
             t0 = time.monotonic()
             time.sleep(args.steady_s)
             t1 = time.monotonic()
-            steady = Phase(name, "steady", load.tokens_between(t0, t1) / (t1 - t0))
-            steady.step_ms = load.step_ms(t0, t1)
+            steady = Phase(name, "steady", tokens_between(load, t0, t1) / (t1 - t0))
+            steady.step_ms = step_ms((s for clock in load for s in clock.streams), t0, t1)
             rtt = rtt_ms(server.url)
             phases = [steady]
             for policy in policies:
                 phases.append(cycles_phase(name, policy, server.url, trainer, load, args))
                 print(f"{name} {policy}: {phases[-1].tokens_per_s:.0f} tokens/s", flush=True)
                 time.sleep(args.warmup_s)  # recomputation of the last cycle out of the way
-        if load.errors:
-            raise SystemExit(f"{name}: {len(load.errors)} rollout(s) failed: {load.errors[:3]}")
+            failed = [clock.error for clock in load if clock.error]
+            if failed:
+                raise SystemExit(f"{name}: {len(failed)} rollout(s) failed: {failed[:3]}")
     return phases, rtt
 
 

@@ -58,21 +58,21 @@ class TokenClock:
     def __init__(self, url: str, prompt: str = "The clock says", max_tokens: int = 256) -> None:
         self.url, self.prompt, self.max_tokens = url, prompt, max_tokens
         self.error: str | None = None
-        self._streams: list[StreamingCompletion] = []
+        self.streams: list[StreamingCompletion] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="token-clock")
 
     def _run(self) -> None:
         while not self._stop.is_set():
             stream = StreamingCompletion(self.url, self.prompt, self.max_tokens, ignore_eos=True)
-            self._streams.append(stream)
+            self.streams.append(stream)
             stream.run()  # in this thread
             if not stream.ok:
                 self.error = stream.error or f"finish_reason={stream.finish_reason}"
                 return
 
     def times(self) -> list[float]:
-        return [t for s in list(self._streams) for t in list(s.token_times)]
+        return [t for s in list(self.streams) for t in list(s.token_times)]
 
     def __enter__(self) -> TokenClock:
         self._thread.start()
