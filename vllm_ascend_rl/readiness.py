@@ -21,7 +21,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -43,6 +43,15 @@ class Readiness(Enum):
     UPDATING = "a weight update is open: generation waits for finish_weight_update"
     NOT_WHOLE = "not whole"  # a hold update failed after layers took new weights
     DISCARDED = RELOAD_HINT
+
+
+class StepHold(IntEnum):
+    """What holds an engine core's steps while one of its workers has an update open; a
+    worker tells its trainer at init (the lowest of all workers counts)."""
+
+    NONE = 0  # its scheduler has no step gate (not the plugin's, or replaced by vllm-ascend)
+    LOCKSTEP = 1  # MoE with data parallel: engine cores step together, dummy batches included
+    GATE = 2  # the plugin scheduler's step gate
 
 
 class ModelReadiness:
@@ -68,28 +77,44 @@ class ModelReadiness:
         """Announce every change from now on to the step gate of ``vllm_config``'s engine."""
         self._gate = (gate_address(vllm_config), worker)
 
+    def step_hold(self, vllm_config: Any) -> StepHold:
+        """What holds this worker's engine core's steps while an update is open: a gate is
+        there if it takes a connection (at the address fixed by :meth:`announce_to`)."""
+        parallel = vllm_config.parallel_config
+        if parallel.data_parallel_size > 1 and vllm_config.model_config.is_moe:
+            return StepHold.LOCKSTEP
+        return StepHold.GATE if self._linked() else StepHold.NONE
+
+    def _linked(self) -> bool:
+        """Whether the stream connection to the gate is made (now, if it was not)."""
+        if self._link is None and self._gate is not None:
+            link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            link.settimeout(30.0)
+            try:
+                link.connect(self._gate[0])
+            except OSError:
+                link.close()
+                return False
+            self._link = link
+        return self._link is not None
+
     def _announce(self) -> None:
-        """One line of JSON on a stream connection to the gate, made at the first change (the
+        """One line of JSON on the stream connection to the gate, made at the first change (the
         scheduler is created after the workers); a gate that is not there gates nothing."""
         if self._gate is None:
             return
-        address, worker = self._gate
-        news = {"worker": worker, "reason": self.reason, "idle_s": min(self.idle_s, 1e9)}
-        line, error = json.dumps(news).encode() + b"\n", None
+        news = {"worker": self._gate[1], "reason": self.reason, "idle_s": min(self.idle_s, 1e9)}
         for _attempt in range(2):  # a link the gate closed is made again once
+            link = self._link if self._linked() else None
+            if link is None:
+                break
             try:
-                if self._link is None:
-                    self._link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    self._link.settimeout(30.0)
-                    self._link.connect(address)
-                self._link.sendall(line)
+                link.sendall(json.dumps(news).encode() + b"\n")
                 return
-            except OSError as e:
-                if self._link is not None:
-                    self._link.close()
+            except OSError:
+                link.close()
                 self._link = None
-                error = e
-        logger.debug("step gate %r not reached (no plugin scheduler?): %s", address[1:], error)
+        logger.debug("step gate %r not reached (no plugin scheduler?)", self._gate[0][1:])
 
 
 _READINESS: WeakKeyDictionary[torch.nn.Module, ModelReadiness] = WeakKeyDictionary()
@@ -134,9 +159,10 @@ def end_abandoned_update(worker: Any) -> None:
 
 
 def gate_address(vllm_config: Any) -> str:
-    """The step gate's socket of one engine core: its instance and data-parallel rank."""
-    rank = vllm_config.parallel_config.data_parallel_rank
-    return f"\0vllm_ascend_rl.step_gate.{vllm_config.instance_id}.{rank}"
+    """The step gate's socket of one engine core: its instance and data-parallel index (vLLM
+    resets ``data_parallel_rank`` to 0 in every dense DP engine core, not the index)."""
+    index = vllm_config.parallel_config.data_parallel_index
+    return f"\0vllm_ascend_rl.step_gate.{vllm_config.instance_id}.{index}"
 
 
 class StepGate:
@@ -146,11 +172,18 @@ class StepGate:
     def __init__(self, vllm_config: Any) -> None:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.setblocking(False)
+        address = gate_address(vllm_config)
         try:
-            self.listener.bind(gate_address(vllm_config))
+            self.listener.bind(address)
             self.listener.listen(256)
-        except OSError as e:
-            logger.warning("no step gate (%s): steps are not held during weight updates", e)
+        except OSError as e:  # an engine core without its gate would step through updates
+            self.listener.close()
+            raise RuntimeError(
+                f"the step gate of this engine core cannot listen on {address[1:]!r} ({e}): "
+                "another engine core with the same instance_id and data-parallel index "
+                f"({vllm_config.instance_id!r}, "
+                f"{vllm_config.parallel_config.data_parallel_index}) holds it"
+            ) from e
         self.links: dict[socket.socket, bytes] = {}  # a worker's connection -> partial line
         self.unready: dict[int, tuple[str, float]] = {}  # worker -> (reason, idle deadline)
 

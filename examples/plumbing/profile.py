@@ -44,10 +44,11 @@ from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_E
 from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
 
 RUNNER_FILE = Path(__file__).resolve().parents[2] / ".github" / "ascend-runner.json"
-# --gpu-memory-utilization of every test server: a chip of the two-chip runner holds two shared
-# servers, a module's and, on CPU, the next module's started early; 0.2 x 64 GiB leaves a
-# tiny model's KV cache gigabytes, and the rest of the chip to trainers.
-MEMORY_FRACTION = "0.2"
+# --gpu-memory-utilization of every test server: a chip of the two-chip runner holds three
+# shared servers, a module's and, on CPU, the next module's started early (0.75), leaving a
+# quarter of it (16 GiB of 64) to trainer processes; 0.15 x 64 GiB gives a tiny model's KV
+# cache gigabytes (tests/unit/test_chip_layout.py counts the suite as it is).
+MEMORY_FRACTION = "0.15"
 CPU_CHIP_WORKER = "vllm_ascend_rl.device.cpu.worker.ChipCPUWorker"
 CPU_SLEEPABLE_WORKER = "vllm_ascend_rl.device.cpu.worker.SleepableCPUWorker"
 NPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker"
@@ -160,7 +161,8 @@ _POOL_LOCK = threading.Lock()
 
 @cache
 def ascend_runner() -> dict[str, Any]:
-    """The Ascend CI runner: ``label``, ``chips``, ``chip_memory_gib``."""
+    """The Ascend CI runner: ``chips``, ``chip_memory_gib`` (its label: the ASCEND_RUNNER
+    repository variable)."""
     return json.loads(RUNNER_FILE.read_text())
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 
 from tests.e2e.weight_sync_cases import PROBE, init_trainer
 from tests.support import (
@@ -25,7 +26,7 @@ from tests.support import (
 )
 from tests.support.doctor import engine_checks
 from tests.support.profile import trainer_env
-from tests.support.rl_step import check_continuations, swap_mid_generation
+from tests.support.rl_step import check_continuations, swap_mid_generation, swap_unpaused
 from tests.support.trainer import TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
@@ -55,17 +56,29 @@ def servers(server_plan, model_pair, reference_v2):
         yield engine, reference_v2, model_pair[1]
 
 
-def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):
-    engine, reference, v2 = servers
-    ctl = EngineControlClient(engine.url)
-    assert ctl.world_size() == 2
+@pytest.fixture(scope="module")
+def trainer(servers, model_pair, tmp_path_factory):
+    """A trainer holding v2, connected to both ranks' workers (world size 1 + 2)."""
+    engine, _, v2 = servers
+    log = tmp_path_factory.mktemp("dp-trainer") / "trainer.log"
     env = trainer_env(engine.chips, colocated=False)
-    with TrainerProcess(v2, log_path=tmp_path / "trainer.log", env=env) as trainer:
-        init_trainer("ascend_rl_hccl", trainer, engine, world_size=3)
-        # The default 600 tokens a stream: an idle DP rank decodes the tiny model in a few ms a
-        # token, and a DP pause is acknowledged only once both ranks have stopped, so with 200
-        # every stream could end before the pause (seen in CI: split [200, 200, 200, 200]).
-        out = swap_mid_generation(engine.url, lambda: trainer.send(weight_version="v2"))
+    with TrainerProcess(v2, log_path=log, env=env) as t:
+        # The engine ends an update that sees no call for timeout_s. Both ranks stream 6 x 900
+        # tokens in the unpaused test, and on a loaded 2-core host the API server passed the
+        # update's next call on more than 30 s after its start (CI): 120 s here.
+        init_trainer("ascend_rl_hccl", t, engine, world_size=3, timeout_s=120)
+        yield t
+
+
+def test_one_pause_and_one_sync_reach_both_ranks(servers, trainer):
+    engine, reference, _ = servers
+    assert EngineControlClient(engine.url).world_size() == 2
+    # 1500 tokens a stream: an idle DP rank decodes the tiny model in a few ms a token, a DP
+    # pause is acknowledged only once both ranks have stopped, and the API server of two ranks
+    # on a loaded 2-core host answered each probe's pause after every stream had ended (CI:
+    # split [600, 600, 600, 600] in five rounds; with 200 tokens once in one round).
+    sync = lambda: trainer.send(weight_version="v2")  # noqa: E731
+    out = swap_mid_generation(engine.url, sync, max_tokens=1500)
     assert not out.problems, out.problems
     assert all(k > 0 for k in out.split), out.split
     assert check_continuations(reference.url, out) == [True] * len(out.streams)
@@ -73,6 +86,50 @@ def test_one_pause_and_one_sync_reach_both_ranks(servers, tmp_path):
     for rank in (1, 2):  # both DP ranks' workers joined the one group
         assert f"HCCL weight transfer ready: rank {rank} of 3" in log
     assert greedy_token_ids(engine.url, PROBE, 16) == greedy_token_ids(reference.url, PROBE, 16)
+
+
+def generated_by_rank(url: str) -> dict[str, float]:
+    """vLLM's generation-token counter of each DP rank's engine core."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url + "/metrics", timeout=30).text
+    return {
+        s.labels["engine"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:generation_tokens_total"
+    }
+
+
+def test_an_unpaused_sync_is_held_on_each_rank_and_every_stream_continues_exactly(
+    servers, trainer, model_pair, reference_v1
+):
+    """Each rank's engine core has a step gate of its own: both ranks generate, the trainer
+    syncs without a pause, and every stream, on either rank, is an old-weights prefix followed
+    by the new weights' exact greedy continuation."""
+    engine, reference, _ = servers
+
+    def on_v1() -> None:
+        trainer.load(model_pair[0])
+        trainer.send(weight_version="v1")  # paused
+        trainer.load(model_pair[1])
+
+    on_v1()  # the test before synced v2
+    assert greedy_token_ids(engine.url, PROBE, 16) == greedy_token_ids(reference_v1.url, PROBE, 16)
+    before = generated_by_rank(engine.url)
+    prompts = [f"Rank stream {i}:" for i in range(6)]
+    # Two ranks decode fast, and on a loaded 2-core host the API server delivered a stream's
+    # 217th token after its engine had finished all 600 (CI): a round in which a stream ended
+    # before the sync is run again, on v1 again.
+    sync = lambda: trainer.send(weight_version="v2", pause=False)  # noqa: E731
+    out = swap_unpaused(engine.url, sync, prompts=prompts, max_tokens=900, restore=on_v1)
+    after = generated_by_rank(engine.url)
+    assert sorted(after) == ["0", "1"] and all(after[r] > before.get(r, 0) for r in after), after
+    assert not out.problems, out.problems
+    # Each rank decodes a batch of its own: the references run one request at a time.
+    assert check_continuations(reference.url, out) == [True] * len(prompts)
+    log = engine.log_path.read_text(errors="replace")
+    assert "cancelled because generation ran" not in log and "no step gate" not in log
 
 
 def rank_rss(server: VLLMServer) -> dict[str, int]:

@@ -44,6 +44,7 @@ def _init_request(engine, **init_info):
 
 class TestHCCLWeightSwap(WeightSyncCases):
     backend = "ascend_rl_hccl"
+    finish_fails_under = "restore"
 
     def test_syncs_beside_vllm_ascends_registrations(
         self, engine, reference, trainer, on_v1, plugin_env
@@ -74,7 +75,7 @@ class TestHCCLWeightSwap(WeightSyncCases):
 
     @pytest.mark.skipif(
         not has_weight_version_spans(),
-        reason="vLLM 0.27.1 has no per-output weight-version spans (0.32 has them)",
+        reason="vLLM 0.30.0 has no per-output weight-version spans (0.32 has them)",
     )
     def test_weight_version_tags_the_tokens_it_produced(self, engine, trainer, on_v1):
         """vLLM's per-output weight-version spans split one request's tokens into v1's and
@@ -138,33 +139,6 @@ class TestHCCLWeightSwap(WeightSyncCases):
         assert not out.problems, out.problems
         matches = check_continuations(reference.url, out)
         assert not any(matches), f"expected every continuation to differ (stale KV): {matches}"
-
-    def test_update_without_start(self, engine, on_v1, v1_probe):
-        r = _post(
-            engine,
-            "/update_weights",
-            json={
-                "update_info": {
-                    "names": ["lm_head.weight"],
-                    "dtype_names": ["bfloat16"],
-                    "shapes": [[512, 128]],
-                }
-            },
-        )
-        assert r.status_code >= 400 and "start_weight_update" in r.text, r.text
-        self.assert_alive_and_intact(engine, v1_probe)
-
-    def test_finish_without_start(self, engine, on_v1, v1_probe):
-        r = _post(engine, "/finish_weight_update")
-        assert r.status_code >= 400 and "start_weight_update" in r.text, r.text
-        self.assert_alive_and_intact(engine, v1_probe)
-
-    def test_start_twice(self, engine, on_v1, v1_probe):
-        assert _post(engine, "/start_weight_update").status_code == 200
-        r = _post(engine, "/start_weight_update")
-        assert r.status_code >= 400 and "already" in r.text, r.text
-        assert _post(engine, "/finish_weight_update").status_code == 200  # nothing loaded
-        self.assert_alive_and_intact(engine, v1_probe)
 
     def test_init_with_wrong_world_size(self, engine, trainer, on_v1, v1_probe):
         with pytest.raises(TrainerError, match=r"world_size=3 but the engine .* has 1 worker"):

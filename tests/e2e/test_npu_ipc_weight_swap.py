@@ -89,17 +89,13 @@ def rss(pids: list[int]) -> int:
 
 class TestNPUIPCWeightSwap(WeightSyncCases):
     backend = "ascend_rl_npu_ipc"
+    finish_fails_under = "hold"
 
     @pytest.fixture(scope="class")
     @classmethod
     def chip(cls, engine) -> str:
         """The engine worker's chip, as NPU IPC names it."""
         return current_profile().chip_name(engine.chips[0])
-
-    def test_no_pickle_on_the_control_plane(self, engine):
-        # The weight swaps of this class run without VLLM_ALLOW_INSECURE_SERIALIZATION: the
-        # handles travel as plain JSON fields.
-        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in engine.env
 
     @pytest.mark.parametrize(
         "buffers, message",

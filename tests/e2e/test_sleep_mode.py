@@ -137,7 +137,7 @@ def test_level1_releases_the_kv_cache_and_output_is_identical(server, ctl, basel
 
 @pytest.mark.skipif(
     not has_route("/release_kv_cache_memory"),
-    reason="vLLM 0.27.1 has no /release_kv_cache_memory (selective discard came later)",
+    reason="vLLM 0.30.0 has no /release_kv_cache_memory (selective discard came later)",
 )
 def test_release_kv_cache_memory_discards_only_the_kv_cache(server, ctl, baseline):
     ctl.pause("wait")  # vLLM wants a completed pause with no request in flight
@@ -262,7 +262,7 @@ def test_staged_wake_keeps_the_scheduler_paused_until_everything_is_awake(server
 
 
 def test_an_invalid_sleep_level_is_refused(server, ctl, baseline):
-    """vLLM 0.32 refuses level 3 at the route (4xx). vLLM 0.27.1's /sleep does not validate the
+    """vLLM 0.32 refuses level 3 at the route (4xx). vLLM 0.30.0's /sleep does not validate the
     level: the plugin scheduler refuses it before the engine pauses, and the workers would too
     (no weight is discarded)."""
     r = requests.post(server.url + "/sleep", params={"level": 3}, timeout=60)

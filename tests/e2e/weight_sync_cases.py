@@ -26,7 +26,7 @@ from tests.support.rl_step import check_continuations, swap_mid_generation, swap
 from tests.support.tiny_model import TinyModelSpec, mixed_checkpoint, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
 from tests.support.vllm_features import has_route
-from vllm_ascend_rl.client import EngineControlClient
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
 PROBE = "Weights under test:"
 UNKNOWN = "model.norm.weight_unknown"
@@ -198,6 +198,42 @@ class WeightSyncCases(WeightSyncServers):
         assert_addresses_kept(engine.url, "an unpaused sync")
 
     # -- transactional updates ---------------------------------------------------------
+    finish_fails_under: ClassVar[str]  # the on_failure mode a class tests a failed finish in
+
+    def test_a_finish_that_fails_ends_the_update_as_on_failure_says(
+        self, engine, reference, trainer, on_v1, v1_probe
+    ):
+        """Post-load processing raises in ``finish_weight_update`` (an attention layer's, as
+        vLLM's can). ``restore``: exactly the old weights, serving. ``hold``: not whole, so
+        ``/resume`` is refused with the reason. Either way the next finish (the worker still
+        counts the update open) answers OK, nothing logs in a loop, and the next sync lands.
+        Each transport's class takes one mode: the modes are the session's, not the link's."""
+        on_failure = self.finish_fails_under
+        self.init(trainer, engine, on_failure=on_failure)
+        ctl = EngineControlClient(engine.url)
+        log_before = len(engine.log_path.read_text(errors="replace"))
+        ctl.collective_rpc("fail_next_finish")
+        with pytest.raises(TrainerError, match="post-load processing failed: ValueError") as e:
+            trainer.send(weight_version="v2")  # paused (keep); the resume after it is refused
+        if on_failure == "restore":
+            assert "model unchanged (the old weights were restored" in str(e.value)
+            ctl.resume()
+            self.assert_alive_and_intact(engine, v1_probe)
+        else:
+            assert ctl.is_paused() is True
+            with pytest.raises(EngineControlError, match="the weights are not whole"):
+                ctl.resume()
+        r = requests.post(engine.url + "/finish_weight_update", json={}, timeout=60)
+        assert r.status_code == 200, r.text  # the worker's record of the failed update ends
+        trainer.send(weight_version="v2")
+        ctl.resume()
+        v2_probe = greedy_token_ids(reference.url, PROBE, 24)
+        assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
+        assert_addresses_kept(engine.url, "a failed finish and the sync after it")
+        log = engine.log_path.read_text(errors="replace")[log_before:]
+        assert log.count("no update is open here") == 1, "the retried finish said nothing"
+        assert "ending a weight update nobody finished" not in log  # 6935d63: every 5 ms
+
     @pytest.mark.parametrize("case", list(BAD_METADATA))
     def test_bad_metadata_is_refused_and_model_untouched(
         self, engine, trainer, on_v1, v1_probe, case

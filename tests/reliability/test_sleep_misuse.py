@@ -98,7 +98,7 @@ def test_resume_while_asleep_is_refused_and_requests_wait(server, ctl, baseline,
 
 @pytest.mark.skipif(
     not has_route("/release_kv_cache_memory"),
-    reason="vLLM 0.27.1 has no /release_kv_cache_memory (selective discard came later)",
+    reason="vLLM 0.30.0 has no /release_kv_cache_memory (selective discard came later)",
 )
 def test_resume_after_release_kv_cache_memory_is_refused(server, ctl, baseline):
     ctl.pause("wait")
@@ -222,7 +222,7 @@ def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(
     upstream_server,
 ):
     """A request that pause(abort) aborts before its first token streams ``[DONE]`` with HTTP
-    200 and no finish_reason (vLLM 0.27.1 and 0.32, default scheduler): a client cannot tell
+    200 and no finish_reason (vLLM 0.30 and 0.32, default scheduler): a client cannot tell
     it from a truncated stream. Not ours; clients should treat it as aborted."""
     ctl = EngineControlClient(upstream_server.url)
     ctl.pause("keep")  # queued: it cannot produce a token before the abort

@@ -24,7 +24,14 @@ from tests.support.streams import TokenClock
 from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
-pytestmark = [pytest.mark.e2e, pytest.mark.reliability, pytest.mark.timeout(900)]
+# The shared HCCL engine's sleepable worker has vllm-ascend's NPUWorker weight-update lifecycle
+# (no reset_weight_update_target: device/cpu/worker.py NPUWorkerLifecycle).
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.reliability,
+    pytest.mark.ascend,
+    pytest.mark.timeout(900),
+]
 
 TIMEOUT_S = 5
 UNREACHABLE = ["missing_rank", "nobody_listening", "unresolvable_host", "silent_peer"]
@@ -106,8 +113,9 @@ class TestOwnership(WeightSyncServers):
         self, engine, reference, trainer, on_v1, window
     ):
         """A hand-written update_weights lands right after the owner's ``window`` call: it is
-        refused naming the owner, and the owner's update goes on to land exactly (vLLM's
-        worker ends its update on any error; the engine puts it back)."""
+        refused naming the owner, and the owner's update goes on to land exactly (vLLM's and
+        vllm-ascend's workers end their record of the update on any error: the plugin's
+        worker keeps it when the engine kept the owner's update open)."""
         self.init(trainer, engine)
         result = trainer.send(weight_version="v2", foreign_after=window)
         ((status, text),) = result["foreign"]

@@ -15,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers
+from tests.e2e.weight_sync_cases import PROBE, SMALL_BUCKET, WeightSyncServers, init_trainer
 from tests.support import StreamingCompletion, greedy_token_ids
+from tests.support.profile import trainer_env
 from tests.support.tiny_model import TinyModelSpec, build_tiny_model, parameter_shapes
 from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
@@ -275,3 +276,41 @@ class TestHCCLUpdateFaults(WeightSyncServers):
         EngineControlClient(engine.url).reload_weights(str(models[1]))
         v2_probe = greedy_token_ids(reference.url, PROBE, 24)
         assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
+
+
+def test_an_engine_without_a_step_gate_is_synced_only_while_paused(
+    reference_v1, references_v2, model_pair, tmp_path
+):
+    """vLLM's own scheduler (the shared v1 reference, with the plugin's HCCL engine) holds no
+    step during an update. An unpaused sync while requests stream is refused before the update
+    opens, naming what to do; the streams and the weights are untouched. A paused sync lands,
+    and a second one puts v1 back."""
+    engine, v1, v2 = reference_v1, *model_pair
+    v1_probe = greedy_token_ids(engine.url, PROBE, 24)
+    env = trainer_env(engine.chips, colocated=False)
+    with TrainerProcess(v2, log_path=tmp_path / "trainer.log", env=env) as trainer:
+        init_trainer("ascend_rl_hccl", trainer, engine)
+        streams = [StreamingCompletion(engine.url, f"No gate {i}:", 300) for i in range(4)]
+        for s in streams:
+            s.start()
+        while min(s.num_tokens for s in streams) < 8:
+            time.sleep(0.01)
+        with pytest.raises(TrainerError, match="its scheduler has no step gate") as refused:
+            trainer.send(weight_version="v2", pause=False)
+        assert "and it is not paused" in str(refused.value) and "Pause it first" in str(
+            refused.value
+        )
+        for s in streams:
+            s.join(120)
+            assert s.ok and s.finish_reason == "length" and s.num_tokens == 300, s.error
+        assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+        try:
+            trainer.send(weight_version="v2")  # paused (keep) for the sync, resumed after
+            v2_probe = greedy_token_ids(references_v2("ascend_rl_hccl").url, PROBE, 24)
+            assert greedy_token_ids(engine.url, PROBE, 24) == v2_probe
+        finally:
+            trainer.load(v1)
+            trainer.send(weight_version="v1")  # the pause drops v2's prefix cache too
+            trainer.release(engine.url)
+    assert greedy_token_ids(engine.url, PROBE, 24) == v1_probe
+    assert "cancelled because generation ran" not in engine.log_path.read_text(errors="replace")

@@ -208,10 +208,14 @@ def swap_unpaused(
     model: str = "tiny",
     timeout_s: float = 300,
     attempts: int = 5,
+    restore: Callable[[], Any] | None = None,
 ) -> SwapOutcome:
     """Stream ``prompts``; once each has ``min_tokens``, ``sync()`` with generation running (no
     pause). A stream's split is where it leaves the old weights' tokens, which a first run of the
-    same batch on the old weights gives; ``check_continuations`` then checks the rest."""
+    same batch on the old weights gives; ``check_continuations`` then checks the rest.
+    ``restore()`` puts the old weights back: then a round in which some stream ended before the
+    sync landed (the API server can deliver tokens seconds after its engine made them) is run
+    again."""
     old = _admitted_together(url, prompts, max_tokens, model)
     for s in old:
         s.join(timeout_s)
@@ -230,8 +234,12 @@ def swap_unpaused(
         sync_ms = (time.perf_counter() - t0) * 1e3
         for s in streams:
             s.join(timeout_s)
-        break
-    split = [_first_difference(s.token_ids, o.token_ids) for s, o in zip(streams, old, strict=True)]
+        split = [
+            _first_difference(s.token_ids, o.token_ids) for s, o in zip(streams, old, strict=True)
+        ]
+        if restore is None or max(split) < max_tokens or attempt + 1 == attempts:
+            break
+        restore()  # a stream ended on the old weights before the sync reached its engine
     out = SwapOutcome(streams, split, 0.0, sync_ms, 0.0, result)
     for i, s in enumerate(streams):
         if not s.ok or s.finish_reason != "length" or s.num_tokens != max_tokens:

@@ -8,6 +8,7 @@ that finished its prefill).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -42,7 +43,11 @@ class SchedulerHarness:
         enable_prefix_caching: bool = True,
         model_path: Path | None = None,
         additional_config: dict | None = None,
+        data_parallel_index: int = 0,
+        instance_id: str | None = None,
     ) -> None:
+        """``data_parallel_index``/``instance_id``: the config one dense data-parallel engine
+        core of a server runs with (vLLM makes it DP=1, rank 0, keeping the index)."""
         path = model_path or build_tiny_model(TinyModelSpec())
         model_config = ModelConfig(model=str(path), dtype="bfloat16", max_model_len=max_model_len)
         cache_config = CacheConfig(
@@ -61,6 +66,8 @@ class SchedulerHarness:
             scheduler_config=sched_config,
             additional_config=additional_config or {},
         )
+        self.vllm_config.instance_id = instance_id or self.vllm_config.instance_id
+        self.vllm_config.parallel_config.data_parallel_index = data_parallel_index
         cache_config.num_gpu_blocks = num_blocks
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
@@ -125,8 +132,7 @@ def fake_model_output(
         req = scheduler.requests.get(rid)
         done_prefill = req is not None and not req.is_prefill_chunk
         sampled.append([token] if done_prefill else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
+    index = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
+        index["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **index)

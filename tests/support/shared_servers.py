@@ -14,6 +14,14 @@ from examples.plumbing import VLLMServer
 # reference of its own on v2 in that mode: compiled kernels round differently from eager ones,
 # and a tiny random model's greedy continuations part after a few dozen tokens.
 GRAPHS_BACKEND = "ascend_rl_npu_ipc"
+RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
+# Every shared server, one chip each (tests/conftest.py builds exactly these).
+SHARED = (
+    "reference-v1",
+    "reference-v2",
+    "reference-v2-graphs",
+    *(f"rl-{backend}" for backend in RL_BACKENDS),
+)
 
 
 class SharedServers:

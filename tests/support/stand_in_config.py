@@ -9,7 +9,7 @@ from typing import Any
 
 def engine_config(**fields: Any) -> types.SimpleNamespace:
     parallel = types.SimpleNamespace(
-        rank=0, world_size=1, data_parallel_index=0, data_parallel_rank=0
+        rank=0, world_size=1, data_parallel_index=0, data_parallel_rank=0, data_parallel_size=1
     )
     return types.SimpleNamespace(
         parallel_config=parallel, model_config=None, instance_id="unit", **fields

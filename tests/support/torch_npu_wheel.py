@@ -1,10 +1,13 @@
-"""The torch_npu build vllm-ascend pins, read from its wheel without importing it (it needs
-CANN): :func:`pinned_wheel` fetches ``torch-npu==2.10.0.post4`` by package name (no
-dependencies) into ``.cache/wheels`` once (``VLLM_ASCEND_RL_TORCH_NPU_WHEEL`` names a wheel
-instead); :class:`Build` answers from it: Python definitions and their signatures
+"""torch_npu builds, read from their wheels without importing them (they need CANN):
+:func:`wheel` fetches ``torch-npu==<version>`` by package name (no dependencies) into
+``.cache/wheels`` once (``VLLM_ASCEND_RL_TORCH_NPU_WHEEL`` names a wheel for every version
+instead); :class:`Build` answers from one: Python definitions and their signatures
 (``torch_npu/**/*.py``), and the names its extension binds: the whole NUL-terminated strings of
 ``libtorch_npu.so``'s ``.rodata.str*`` sections, where pybind11 keeps method, field and
-dictionary-key names (a substring search would accept prefixes and suffixes of real names)."""
+dictionary-key names (a substring search would accept prefixes and suffixes of real names).
+
+The builds checked are every one a supported stack pins (``vllm_ascend_rl.stacks``), and
+``NEWEST``, the newest on the package index, as a probe of what comes next."""
 
 from __future__ import annotations
 
@@ -17,31 +20,34 @@ import sys
 import zipfile
 from pathlib import Path
 
-PIN = "torch-npu==2.10.0.post4"  # vllm-ascend@182b75e requirements.txt:17
-WHEEL = "torch_npu-2.10.0.post4-cp311-cp311-manylinux_2_28_x86_64.whl"
+from vllm_ascend_rl.stacks import SUPPORTED
+
+PINNED = sorted({build for stack in SUPPORTED for build in stack.torch_npu})
+NEWEST = "2.14.0"  # pip index versions torch-npu, 2026-12-06
 EXTENSION = "torch_npu/lib/libtorch_npu.so"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def pinned_wheel() -> Path:
+def wheel(version: str) -> Path:
     explicit = os.environ.get("VLLM_ASCEND_RL_TORCH_NPU_WHEEL")
     if explicit:
         return Path(explicit)
     cache = ROOT / ".cache" / "wheels"
-    wheel = cache / WHEEL
-    if not wheel.exists():
+    name = f"torch_npu-{version}-cp311-cp311-manylinux_2_28_x86_64.whl"
+    if not (cache / name).exists():
         pip = (sys.executable, "-m", "pip", "download", "--quiet", "--no-deps")
         build = ("--python-version", "3.11", "--platform", "manylinux_2_28_x86_64")
         subprocess.run(
-            [*pip, *build, "--only-binary=:all:", "--dest", str(cache), PIN],
+            [*pip, *build, "--only-binary=:all:", "--dest", str(cache), f"torch-npu=={version}"],
             check=True,
             timeout=900,
         )
-    return wheel
+    return cache / name
 
 
 class Build:
     def __init__(self, wheel: Path) -> None:
+        self.version = wheel.name.split("-")[1]
         with zipfile.ZipFile(wheel) as z:
             names = z.namelist()
             self.sources = {n: z.read(n).decode() for n in names if n.endswith(".py")}

@@ -331,7 +331,7 @@ def _serve(
         cmd = msg["cmd"]
         try:
             if cmd == "ping":
-                from vllm_ascend_rl.weight_transfer.connection import trainer_id
+                from vllm_ascend_rl.weight_transfer.wire import trainer_id
 
                 reply(True, {"pid": os.getpid(), "trainer_id": trainer_id()})
             elif cmd == "metrics":  # the trainer's counters, as a user's registry shows them

@@ -1,4 +1,4 @@
-"""What the vLLM releases under test (0.27.1 and 0.32) serve, detected by feature, never by
+"""What the vLLM releases under test (0.30 and 0.32) serve, detected by feature, never by
 version: tests skip or branch on these. The package's own differences are in
 :mod:`vllm_ascend_rl.compat`."""
 

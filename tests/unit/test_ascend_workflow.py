@@ -1,8 +1,9 @@
 """``.github/workflows/ascend.yml`` on CPU: what needs no NPU runs here, so the workflow cannot
 rot before its first Ascend run. Its preflight steps run as written (the doctor on the settings
 the suite's servers use, the collection of the ``ascend`` tests with ``--device npu``); every
-``python -c`` snippet in any step imports only what exists; and the job runs on the runner
-``.github/ascend-runner.json`` describes, whose chips CPU CI emulates."""
+``python -c`` snippet in any step imports only what exists; the job runs only where a runner
+is attached, in the release image of a supported stack, with the chips
+``.github/ascend-runner.json`` describes, which CPU CI emulates."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from examples.plumbing.profile import ascend_runner, chip_pool
+from vllm_ascend_rl import stacks
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOW = ROOT / ".github" / "workflows" / "ascend.yml"
@@ -34,11 +36,26 @@ def python_arguments(script: str, flag: str) -> list[str]:
     return [words[i + 2] for i, w in enumerate(words[:-2]) if [w, words[i + 1]] == ["python", flag]]
 
 
-def test_the_job_runs_on_the_runner_whose_chips_cpu_ci_emulates():
+def test_the_job_runs_only_on_an_attached_runner_with_the_chips_cpu_ci_emulates():
     job = yaml.safe_load(WORKFLOW.read_text())["jobs"]["npu"]
-    assert job["runs-on"] == ascend_runner()["label"]
+    assert job["runs-on"] == "${{ vars.ASCEND_RUNNER }}"
+    assert job["if"] == "vars.ASCEND_RUNNER != ''"  # else skipped, on demand and on schedule
     assert any(s.get("id", "").startswith("preflight") for s in job["steps"])
-    assert chip_pool().count == ascend_runner()["chips"]
+    options = job["container"]["options"].split()
+    devices = [options[i + 1] for i, o in enumerate(options) if o == "--device"]
+    chips = ascend_runner()["chips"]
+    assert [d for d in devices if re.fullmatch(r"/dev/davinci\d+", d)] == [
+        f"/dev/davinci{n}" for n in range(chips)
+    ]
+    driver = {"/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"}
+    assert driver <= set(devices)
+    assert "/usr/local/Ascend/driver/lib64/:/usr/local/Ascend/driver/lib64/" in options
+    assert chip_pool().count == chips
+
+
+def test_the_job_runs_in_the_release_image_of_a_supported_stack():
+    image = yaml.safe_load(WORKFLOW.read_text())["jobs"]["npu"]["container"]["image"]
+    assert image in {f"quay.io/ascend/vllm-ascend:v{s.vllm_ascend}" for s in stacks.SUPPORTED}
 
 
 def test_every_python_snippet_imports_names_that_exist():

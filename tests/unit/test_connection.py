@@ -43,7 +43,8 @@ def connection() -> Connection[RecordingLink]:
 
 def up(conn: Connection[RecordingLink], trainer: str = "t1") -> RecordingLink:
     link = RecordingLink()
-    conn.start(conn.claim(trainer, 30.0), lambda deadline: link, background=False)
+    conn.claim(trainer, 30.0)
+    conn.start(lambda deadline: link, background=False)
     return link
 
 
@@ -98,13 +99,13 @@ def test_a_trainer_that_left_frees_the_channel_for_another():
 
 def test_a_failed_connect_is_failed_and_says_why():
     conn = connection()
-    claim = conn.claim("t1", 30.0)
+    conn.claim("t1", 30.0)
 
     def refuse(deadline: float) -> RecordingLink:
         raise ConnectionError("nobody listens")
 
     with pytest.raises(ConnectionError):
-        conn.start(claim, refuse, background=False)
+        conn.start(refuse, background=False)
     assert conn.state is ConnState.FAILED
     with pytest.raises(NotConnected, match="init failed: ConnectionError: nobody listens"):
         conn.link()
@@ -113,7 +114,7 @@ def test_a_failed_connect_is_failed_and_says_why():
 
 def test_a_connect_that_returns_after_the_deadline_expires_and_closes_its_link():
     conn = connection()
-    claim = conn.claim("t1", 0.05)
+    conn.claim("t1", 0.05)
     link = RecordingLink()
 
     def late(deadline: float) -> RecordingLink:
@@ -121,23 +122,25 @@ def test_a_connect_that_returns_after_the_deadline_expires_and_closes_its_link()
         return link
 
     with pytest.raises(NotConnected):
-        conn.start(claim, late, background=False)
+        conn.start(late, background=False)
     assert conn.state is ConnState.FAILED and "within timeout_s=0.05s" in conn.why
     assert link.calls == ["close"]
 
 
 def test_an_init_fails_at_its_deadline_while_the_connect_still_runs():
-    """torch's rendezvous may retry past its deadline: the init fails at the deadline, not
-    when the connect gives up."""
+    """torch's rendezvous may retry past its deadline: a call after the deadline finds the
+    init failed, not still connecting until the connect gives up."""
     conn = connection()
     release, link = threading.Event(), RecordingLink()
-    conn.start(conn.claim("t1", 0.2), lambda deadline: release.wait(30) and link, True)
-    deadline = time.monotonic() + 10
-    while conn.state is ConnState.CONNECTING and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert conn.state is ConnState.FAILED and "within timeout_s=0.2s" in conn.why
+    conn.claim("t1", 0.2)
+    conn.start(lambda deadline: release.wait(30) and link, True)
+    time.sleep(0.3)
+    with pytest.raises(NotConnected, match=r"init failed: no connection within timeout_s=0.2s"):
+        conn.link()
+    assert conn.state is ConnState.FAILED
     assert link.calls == []  # the connect has not returned yet
     release.set()
+    deadline = time.monotonic() + 10
     while link.calls != ["close"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert link.calls == ["close"] and conn.state is ConnState.FAILED
@@ -151,7 +154,8 @@ def test_a_connect_a_newer_init_replaced_closes_its_link_unused():
         release.wait(10)
         return link
 
-    conn.start(conn.claim("t1", 30.0), slow, background=True)
+    conn.claim("t1", 30.0)
+    conn.start(slow, background=True)
     newer = up(conn)  # the same trainer inits again while the first connect runs
     release.set()
     deadline = time.monotonic() + 10

@@ -136,3 +136,13 @@ def test_any_cann_version_string_gets_a_verdict(monkeypatch, cann, status):
     monkeypatch.setattr(npu, "chips_and_cann", lambda: (2, cann))  # no NPU here: its answer
     check = local._cann_and_chips()
     assert check.status == status, check
+
+
+def test_a_server_reporting_another_weight_transfer_backend_fails_with_the_flag_to_use():
+    from vllm_ascend_rl.doctor.engines import configuration
+
+    config = {"weight_transfer_config": {"backend": "nccl"}, "scheduler_config": {}}
+    transfer, scheduler = configuration("engine x", config)
+    assert (transfer.status, transfer.found) == ("fail", "backend 'nccl', not the plugin's")
+    assert """--weight-transfer-config '{"backend": "ascend_rl_hccl"}'""" in transfer.fix
+    assert scheduler.status == "fail" and "--scheduler-cls vllm_ascend_rl" in scheduler.fix

@@ -178,18 +178,24 @@ def test_a_worker_hello_from_another_chip_is_refused_naming_both():
     try:
         info = AscendRLNPUIPCWeightTransferInitInfo(doorbells={"cpu0": listener.address})
         here, wire = CPU.location(), wire_signature(info, None)
-        assert not welcome(trainer_side, Hello(worker=1, wire=wire, location=here), wire + 1, here)
+        assert not welcome(
+            trainer_side, Hello(worker=1, wire=wire, location=here, step_hold=2), wire + 1, here
+        )
         error = engine.expect(Welcome, None, "hello answer").reason
         assert error is not None and "disagree on protocol or wire parameters" in error, error
         elsewhere = {**here, "chip": "cpu5"}
-        assert not welcome(trainer_side, Hello(worker=1, wire=wire, location=elsewhere), wire, here)
+        assert not welcome(
+            trainer_side, Hello(worker=1, wire=wire, location=elsewhere, step_hold=2), wire, here
+        )
         error = engine.expect(Welcome, None, "hello answer").reason
         assert error is not None and error.startswith(
             f"engine worker 1: trainer and engine are not on the same chip: "
             f"trainer on chip {here['chip']} of host {here['host']}, "
             f"engine on chip cpu5 of host {here['host']}"
         ), error
-        assert welcome(trainer_side, Hello(worker=1, wire=wire, location=here), wire, here)
+        assert welcome(
+            trainer_side, Hello(worker=1, wire=wire, location=here, step_hold=2), wire, here
+        )
         assert engine.recv("hello answer") == Welcome(reason=None)
     finally:
         for d in (trainer_side, engine, listener):

@@ -137,6 +137,34 @@ def test_only_the_kv_cache_is_pooled_as_kv_cache(worker):
     worker.wake_up(None)
 
 
+@pytest.mark.parametrize("where", ["outside_the_pool", "not_in_kv_caches"])
+def test_a_kv_cache_the_pool_does_not_hold_fails_start_up_naming_the_runner(
+    worker_cls, monkeypatch, where
+):
+    """[V10] A model runner that allocates its KV cache elsewhere (vllm-ascend's
+    ``NPUModelRunnerV2`` when a user or a release turns it on, worker.py:470-473 at 182b75e)
+    would leave level-1 sleep freeing no KV cache: start-up fails instead, naming the runner."""
+
+    class _MockRunnerV2(_MockRunner):  # MOCK: the KV cache made before the pool is entered
+        def __init__(self, worker) -> None:
+            super().__init__(worker)
+            self.early = torch.zeros(1 << 20, dtype=torch.uint8)
+
+        def initialize_kv_cache(self, _config) -> None:
+            if where == "outside_the_pool":
+                self.kv_caches = [(self.early[: 1 << 19], self.early[1 << 19 :])]
+
+    w = worker_cls(_config())
+    w.model_runner = _MockRunnerV2(w)
+    w.load_model()
+    try:
+        with pytest.raises(RuntimeError, match=r"KV cache of .*_MockRunnerV2 is not in the sleep"):
+            w.initialize_from_config(None)
+    finally:
+        for addr in list(w.allocator.allocations):
+            w.allocator.free(addr)
+
+
 def test_weights_and_kv_cache_sleep_and_wake_through_the_camem_backend(worker):
     alloc = worker.allocator
     assert alloc.tags() >= {"weights", "kv_cache"}
@@ -210,7 +238,7 @@ def test_answers_the_weight_checker_with_vllms_own_digests(worker, monkeypatch):
     MOCKED (no distributed state in a unit test); the digests are vLLM's, of the real model."""
     try:
         from vllm.model_executor.model_loader.weight_checksum import compute_tensor_digests
-    except ImportError:  # vLLM 0.27.1: no /weight_checker, nothing to borrow
+    except ImportError:  # vLLM 0.30.0: no /weight_checker, nothing to borrow
         assert not hasattr(worker, "compute_weight_checksums")
         return
     import vllm.v1.worker.gpu_worker as gpu_worker

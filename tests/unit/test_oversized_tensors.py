@@ -181,7 +181,8 @@ def test_the_benchmark_extension_receives_through_the_engines_link():
         engine.init_info = info
         connection = engine.connection
         link = HCCLLink(ch, info, engine.session.pool)
-        connection.start(connection.claim("", 30.0), lambda deadline: link, background=False)
+        connection.claim("", 30.0)
+        connection.start(lambda deadline: link, background=False)
         worker = WeightSyncBenchExtension()
         worker.weight_transfer_engine = engine
         update = AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)

@@ -1,6 +1,7 @@
-"""Every torch_npu API the plugin uses, checked against the build vllm-ascend pins
-(``torch-npu==2.10.0.post4``, Ascend/pytorch ``v26.1.0-pytorch2.10.0``), read from its wheel
-without importing it (tests/support/torch_npu_wheel.py). The list of uses is derived from our
+"""Every torch_npu API the plugin uses, checked against every build a supported stack pins
+(``vllm_ascend_rl.stacks``), read from its wheel without importing it
+(tests/support/torch_npu_wheel.py), and against the newest build on the index, which reports
+what would break instead of failing. The list of uses is derived from our
 sources (tests/support/torch_npu_uses.py), so a new call is checked the day it is written;
 Python APIs are checked by their signatures in the wheel's sources, the extension's by the
 names it binds. What cannot be checked from the wheel is named. Tensor methods torch generates
@@ -9,12 +10,13 @@ for the device (``Tensor.npu``) and torch's own members are not torch_npu's and 
 from __future__ import annotations
 
 import ast
+import functools
 import math
 
 import pytest
 
 from tests.support.torch_npu_uses import NOT_IN_WHEEL, PATCHED, check, uses
-from tests.support.torch_npu_wheel import ROOT, Build, pinned_wheel
+from tests.support.torch_npu_wheel import NEWEST, PINNED, ROOT, Build, wheel
 from vllm_ascend_rl.device import base, npu
 from vllm_ascend_rl.device.group import hccl_config
 
@@ -22,32 +24,52 @@ SOURCES = ("vllm_ascend_rl", "examples", "tests/npu")
 HARDWARE_MODULE = "vllm_ascend_rl/device/npu.py"  # the only product module that may use torch_npu
 
 
-@pytest.fixture(scope="module")
-def build() -> Build:
-    return Build(pinned_wheel())
+@pytest.fixture(scope="module", params=PINNED)
+def build(request) -> Build:
+    return Build(wheel(request.param))
 
 
-def our_uses():
-    for top in SOURCES:
-        for path in sorted((ROOT / top).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            yield from uses(path.read_text(), rel)
+@functools.cache
+def our_uses() -> tuple:
+    """Every torch_npu use in our sources, read once for all the builds checked."""
+    return tuple(
+        use
+        for top in SOURCES
+        for path in sorted((ROOT / top).rglob("*.py"))
+        for use in uses(path.read_text(), path.relative_to(ROOT).as_posix())
+    )
 
 
-def test_every_torch_npu_api_the_plugin_uses_is_in_the_pinned_build(build, report):
-    found = list(our_uses())
+def missing_in(build: Build) -> tuple[list, list[str], list[str]]:
+    """Our uses checked, what ``build`` lacks of them, and what no wheel can show."""
+    found = our_uses()
     unchecked = sorted({u.name for u in found if u.name.split(".")[0] in NOT_IN_WHEEL})
     checked = [u for u in found if u.name.split(".")[0] not in NOT_IN_WHEEL]
     missing = [f"{u.where}: {problem}" for u in checked if (problem := check(build, u))]
+    return checked, missing, unchecked
+
+
+def test_every_torch_npu_api_the_plugin_uses_is_in_each_pinned_build(build, report):
+    found = our_uses()
+    checked, missing, unchecked = missing_in(build)
     assert not missing, "\n".join(missing)
     report(
         f"checked {len(checked)} uses of {len({u.name for u in checked})} torch_npu APIs "
-        "against torch-npu 2.10.0.post4; not checkable from the wheel: "
+        f"against torch-npu {build.version}; not checkable from the wheel: "
         + ", ".join(f"{n} ({NOT_IN_WHEEL[n.split('.')[0]]})" for n in unchecked)
     )
     assert unchecked == ["acl.rt.memcpy"]  # a new one must be named here, with its reason
     product = {u.where.split(":")[0] for u in found if u.where.startswith("vllm_ascend_rl/")}
     assert product == {HARDWARE_MODULE}, "torch_npu is called outside device/npu.py"
+
+
+def test_the_newest_torch_npu_on_the_index_is_probed(report):
+    """A forward probe: what the next torch_npu lacks is reported, not failed."""
+    checked, missing, _ = missing_in(Build(wheel(NEWEST)))
+    report(
+        f"forward probe, torch-npu {NEWEST}: {len(checked)} uses checked, "
+        + (f"{len(missing)} missing: " + "; ".join(missing) if missing else "none missing")
+    )
 
 
 @pytest.mark.parametrize(

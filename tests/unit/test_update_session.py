@@ -17,6 +17,7 @@ from vllm_ascend_rl.readiness import Readiness
 from vllm_ascend_rl.weight_transfer.session import (
     TRANSITIONS,
     Event,
+    FinishFailed,
     IllegalTransition,
     State,
     UpdateSession,
@@ -27,12 +28,16 @@ class RecordingReload:  # STAND-IN for vLLM's layerwise reload (see the module d
     def __init__(self, kept: int = 0, restored: int = 0) -> None:
         self.calls: list[str] = []
         self.kept, self.restored = kept, restored
+        self.fail_finish = False
 
     def begin(self, model, model_config, keep_old=True, workers_on_host=1) -> None:
         self.calls.append(f"begin(keep_old={keep_old})")
 
     def finish(self, model_config) -> None:
         self.calls.append("finish")
+        if self.fail_finish:
+            self.fail_finish = False
+            raise ValueError("attention post-processing failed")
 
     def abort(self, model_config) -> tuple[int, int, int]:
         self.calls.append("abort")
@@ -78,6 +83,10 @@ def in_state(state: State) -> UpdateSession:
 # What each legal transition does to the reload.
 ACTIONS = {
     (State.IDLE, Event.START): ["begin(keep_old=True)"],
+    # The worker dropped its record of the open update (a refused foreign call): a new one.
+    (State.OPEN, Event.START): ["abort", "begin(keep_old=True)"],
+    (State.RECEIVED, Event.START): ["abort", "begin(keep_old=True)"],
+    (State.CANCELLED, Event.START): ["begin(keep_old=True)"],
     (State.OPEN, Event.FINISH): ["abort"],  # nothing arrived: the old weights stay
     (State.OPEN, Event.FAIL): ["abort"],
     (State.OPEN, Event.CANCEL): ["abort"],
@@ -125,6 +134,34 @@ def test_a_forward_pass_during_an_open_update_cancels_it_and_finish_ends_it():
         s.receive("v2")  # update_weights learns why
     s.finish()
     assert s.state is State.IDLE and s._guard is None
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["restore", "hold"])
+def test_a_finish_that_fails_ends_the_update_and_the_next_finish_closes_the_workers(hold):
+    s = session(hold=hold, kept=2 if hold else 0, restored=0 if hold else 2)
+    for event in PATHS[State.RECEIVED]:
+        fire(s, event)
+    s.reload.fail_finish = True
+    with pytest.raises(FinishFailed, match="post-load processing failed: ValueError") as e:
+        s.finish()
+    assert s.state is State.IDLE and s.reload.calls[-2:] == ["finish", "abort"]
+    if hold:
+        assert s.readiness.state is Readiness.NOT_WHOLE and "2 layer(s)" in str(e.value)
+    else:
+        assert s.readiness.state is Readiness.WHOLE and "restored in 2 layer(s)" in str(e.value)
+    s.finish()  # the worker still counted it open: nothing to do, no error
+    assert s.state is State.IDLE and s.reload.calls[-1] == "abort"
+    fire(s, Event.START)  # the next update opens
+    assert s.state is State.OPEN
+
+
+def test_a_start_while_an_update_is_open_here_cancels_it_first():
+    """The worker ended its record of the update (vLLM's and vllm-ascend's workers do on any
+    error of update_weights, a refused foreign call included) and starts a new one."""
+    s = in_state(State.RECEIVED)
+    fire(s, Event.START)
+    assert s.state is State.OPEN and s.reload.calls == ["abort", "begin(keep_old=True)"]
+    assert s.readiness.state is Readiness.UPDATING
 
 
 def test_a_failed_restore_update_says_what_was_restored():

@@ -9,10 +9,10 @@ have no test here: they are checked on NPU only (``make test-npu``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import re
-import sys
 import textwrap
 import types
 from multiprocessing import resource_tracker, shared_memory
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import CANARY
 from vllm_ascend_rl import compat
 
 TABLE = (Path(__file__).parents[2] / "docs" / "upstream-internals.md").read_text()
@@ -117,6 +118,21 @@ def test_pause_state_attribute():
     assert assigns(Scheduler.__init__, "_pause_state"), "vLLM's Scheduler lost _pause_state"
 
 
+def test_dp_engine_loop():
+    from vllm.v1.core.sched.interface import SchedulerInterface
+    from vllm.v1.engine.core import DPEngineCoreProc
+
+    where = "core/recompute_scheduler.py (get_num_unfinished_requests) ends the DP wave"
+    loop = source(DPEngineCoreProc)  # run_busy_loop, under a fault-tolerance wrapper
+    assert "self.scheduler.has_unfinished_requests()" in loop and "execute_dummy_batch" in loop, (
+        f"vLLM's DP engine loop no longer counts work with has_unfinished_requests: {where}"
+    )
+    counts = types.SimpleNamespace(get_num_unfinished_requests=lambda: 0)
+    assert SchedulerInterface.has_unfinished_requests(counts) is False, (
+        f"vLLM's has_unfinished_requests no longer asks get_num_unfinished_requests: {where}"
+    )
+
+
 def test_preempt_request():
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -203,7 +219,6 @@ def test_engine_core_calls():
     from vllm.v1.engine.core import EngineCore
 
     where = "core/engine_calls.py finds it on the stack to tell sleep, wake and resume apart"
-    assert callable(getattr(sys, "_getframe", None)), f"sys._getframe is gone: {where}"
     for name, local in (("sleep", "level"), ("wake_up", "tags"), ("resume_scheduler", None)):
         method = getattr(EngineCore, name, None)
         assert method is not None, f"vLLM's EngineCore lost {name}(): {where}"
@@ -236,7 +251,7 @@ def test_executor_sleeping_tags():
     executor = object.__new__(Recording)
     executor.sleeping_tags = set()  # as Executor.__init__ sets it
     if not isinstance(inspect.getattr_static(Executor, "is_sleeping", None), property):
-        executor.is_sleeping = False  # vLLM 0.27.1: an attribute, not a property
+        executor.is_sleeping = False  # vLLM 0.30.0: an attribute, not a property
     Executor.sleep(executor, level=1)
     assert executor.is_sleeping and executor.sleeping_tags == {"weights", "kv_cache"}, where
     Executor.wake_up(executor, ["weights"])
@@ -285,28 +300,29 @@ def test_worker_update_flag():
     from vllm.config import VllmConfig
     from vllm.v1.worker.gpu_worker import Worker
 
-    from tests.support.stand_in_config import engine_config
-    from vllm_ascend_rl.weight_transfer.hccl import AscendRLHCCLWeightTransferEngine
+    from vllm_ascend_rl.weight_transfer.connection import NotOwner
+    from vllm_ascend_rl.worker import SleepableMixin
 
-    where = "engine.py (reset_weight_update_target) puts the owner's open update back"
-    engine = AscendRLHCCLWeightTransferEngine(
-        None, engine_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
-    )
-    worker = object.__new__(Worker)  # STAND-IN state; vLLM's own update_weights runs
-    worker.weight_transfer_engine, worker.vllm_config = engine, VllmConfig()
-    for foreign in (True, False):
+    where = "worker/__init__.py (SleepableMixin.update_weights) keeps the owner's update"
+    worker = object.__new__(type("Plugins", (SleepableMixin, Worker), {}))  # STAND-IN state
+    worker.vllm_config = VllmConfig()  # vLLM's own update_weights runs under the mixin's
+    # What Worker.__init__ sets that vLLM 0.34's update_weights reads when it ends an update.
+    worker._weight_update_kv_cache_loan = contextlib.ExitStack()
+    worker._weight_update_is_draft = False
+    for error, kept in ((NotOwner("another trainer's"), True), (ValueError("refused"), False)):
         worker._weight_update_active = True
 
-        def refuse(info, foreign=foreign):
-            engine._refused_during_update = foreign  # what a refused foreign call leaves
-            raise ValueError("refused")
+        def refuse(info, error=error):
+            raise error
 
-        engine.update_weights = refuse
-        with pytest.raises(ValueError, match="refused"):
-            Worker.update_weights(worker, {})
-        assert worker._weight_update_active is foreign, (
-            f"vLLM's Worker.update_weights no longer ends its update and then calls "
-            f"reset_weight_update_target from its own frame on an error: {where}"
+        worker.weight_transfer_engine = types.SimpleNamespace(
+            update_weights=refuse, reset_weight_update_target=lambda: None
+        )
+        with pytest.raises(type(error)):
+            worker.update_weights({})
+        assert worker._weight_update_active is kept, (
+            "vLLM's Worker.update_weights no longer records an open update in "
+            f"_weight_update_active, ended on any error: {where}"
         )
 
 
@@ -452,12 +468,18 @@ def test_kernel_tensors(reloading):
 
 
 def test_mtp_check():
+    import importlib.util
+
+    from vllm_ascend_rl.compat import mtp_check_off
+
+    where = "compat.mtp_check_off turns it off for partial updates, as vLLM's engines"
+    name = "vllm.model_executor.model_loader.mtp_validation"
+    if importlib.util.find_spec(name) is None:  # vLLM 0.34: no completeness check to turn off
+        with mtp_check_off():
+            return
     from vllm.model_executor.model_loader import mtp_validation
 
-    where = "weight_transfer/session.py (load) turns it off for partial updates, as vLLM's engines"
-    off = getattr(mtp_validation, "disable_mtp_completeness_check", None)
-    assert off is not None, f"vLLM lost disable_mtp_completeness_check: {where}"
-    with off():
+    with mtp_check_off():
         assert not mtp_validation.is_mtp_completeness_check_enabled(), where
     assert mtp_validation.is_mtp_completeness_check_enabled(), where
 
@@ -526,8 +548,18 @@ def test_worker_rpcs():
 
 
 def test_worker_attributes():
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    import importlib
+
     from vllm.v1.worker.gpu_worker import Worker
+
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):  # 0.34
+        try:
+            GPUModelRunner = importlib.import_module(module).GPUModelRunner
+            break
+        except ImportError:
+            continue
+    else:
+        raise AssertionError("vLLM's GPUModelRunner is in neither module: readiness.py reaches it")
 
     assert assigns(Worker.__init__, "weight_transfer_engine"), (
         "vLLM's worker no longer keeps self.weight_transfer_engine: worker/__init__.py "
@@ -570,9 +602,11 @@ def test_dp_index():
 
 
 def test_cpu_linear():
+    """The canary's wheel has no CPU kernels: its layer is on the meta device, which vLLM's
+    dispatch gives a plain ``cpu_linear`` without packing."""
     from vllm.model_executor.layers import utils
 
-    layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16, device="meta" if CANARY else "cpu")
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     assert callable(getattr(layer, "cpu_linear", None)), (
         "vLLM's CPU linear layers no longer keep their packed kernel in layer.cpu_linear: "
@@ -590,7 +624,7 @@ def test_checksum_methods():
 
     where = "compat.weight_checker_methods lends them to worker/npu_worker.py"
     present = [n for n in compat.WEIGHT_CHECKER_METHODS if n in vars(Worker)]
-    if not present:  # vLLM 0.27.1: no /weight_checker, nothing to lend
+    if not present:  # vLLM 0.30.0: no /weight_checker, nothing to lend
         assert compat.weight_checker_methods(object) == {}
         return
     assert present == list(compat.WEIGHT_CHECKER_METHODS), (

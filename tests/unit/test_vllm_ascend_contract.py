@@ -19,7 +19,6 @@ from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 from vllm_ascend_rl.weight_transfer import engine as engine_module
 from vllm_ascend_rl.weight_transfer.hccl import (
     AscendRLHCCLWeightTransferEngine,
-    AscendRLHCCLWeightTransferUpdateInfo,
 )
 from vllm_ascend_rl.weight_transfer.npu_ipc import AscendRLNPUIPCWeightTransferEngine
 
@@ -93,15 +92,3 @@ def test_engine_start_fails_fast_when_nz_is_on(monkeypatch, engine_cls):
     monkeypatch.setattr(engine_module, "device_for", lambda *a, **k: _NZDevice())
     with pytest.raises(ValueError, match="weight_nz_mode=0"):
         engine_cls(None, _vllm_config(), torch.device("cpu"), torch.nn.Linear(2, 2))
-
-
-def test_pre_lifecycle_worker_gets_the_commit_it_needs():
-    engine = AscendRLHCCLWeightTransferEngine(
-        None, _vllm_config(), torch.device("cpu"), torch.nn.Linear(2, 2)
-    )
-    info = AscendRLHCCLWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[])
-    with pytest.raises(RuntimeError, match="9eabafb0c8") as e:
-        engine.receive_weights(info, load_weights=lambda weights: None)
-    assert "No weight was loaded" in str(e.value)
-    with pytest.raises(TypeError, match="unexpected"):
-        engine.receive_weights(info, other=1)

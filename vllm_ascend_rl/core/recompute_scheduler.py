@@ -178,11 +178,18 @@ class RecomputeScheduler(Scheduler):
         self._bounced.clear()
         return outputs
 
+    def get_num_unfinished_requests(self) -> int:
+        """None while the step gate is closed, as under PAUSED_ALL: a data-parallel engine
+        core then ends its wave at the next DP sync instead of running dummy batches."""
+        return 0 if self.gate.unready else super().get_num_unfinished_requests()
+
     def has_requests(self) -> bool:
-        # Keeps the engine stepping until a bounce's output is delivered. The engine core asks
-        # after every call it runs: the step gate's news is read here even when it is idle.
+        # Keeps the engine stepping until a bounce's output is delivered, and while the step
+        # gate holds requests (an update idle past its bound is ended at a step). The engine
+        # core asks after every call it runs: the gate's news is read here even when it is idle.
         self._read_step_gate()
-        return bool(self._bounced) or super().has_requests()
+        held = bool(self.gate.unready) and super().get_num_unfinished_requests() > 0
+        return bool(self._bounced) or held or super().has_requests()
 
     # -- pause state across sleep and memory release ------------------------------------
     def set_pause_state(self, pause_state: PauseState) -> None:
@@ -197,7 +204,7 @@ class RecomputeScheduler(Scheduler):
         call = engine_core_call(self)
         args = call.args
         if call.name == "sleep" and args.get("level") not in SLEEP_LEVELS:
-            # vLLM 0.27.1's /sleep passes any level on and pauses before the workers refuse.
+            # vLLM 0.30.0's /sleep passes any level on and pauses before the workers refuse.
             raise ValueError(f"sleep level {args.get('level')} is not supported: use 0, 1 or 2")
         if pause_state != PauseState.UNPAUSED:
             if call.name == "sleep" and self._asleep is None:

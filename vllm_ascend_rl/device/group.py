@@ -2,7 +2,7 @@
 
 Not vLLM's ``stateless_init_torch_distributed_process_group``: it hands non-gloo backends to
 ``current_platform.stateless_init_device_torch_dist_pg``, which vllm-ascend does not implement
-(removed in cea0755b07), and has no ``timeout`` in vLLM 0.27.1. Built as vllm-ascend's
+(removed in cea0755b07). Built as vllm-ascend's
 netloader builds its HCCL group (``vllm_ascend/model_loader/netloader/executor/netloader_pg.py``);
 only :meth:`Device.group_backend` differs between CPU and NPU. Not in ``torch.distributed``'s
 global tables: callers use ``pg.broadcast``/``pg.allreduce`` directly (as vLLM's stateless

@@ -42,7 +42,7 @@ def engine(url: str, timeout_s: float) -> tuple[dict[str, Any], list[Check]]:
     try:
         return _served(url, area, out, timeout_s)
     except (requests.RequestException, ValueError, KeyError) as e:
-        fix = "check that the URL is a vLLM server (vLLM 0.27.1 to 0.32.0)"
+        fix = "check that the URL is a vLLM server of a supported stack (vLLM 0.30.0 or 0.32.0)"
         return {}, [*out, fail(area, "answers", f"{type(e).__name__}: {e}", fix)]
 
 
@@ -64,7 +64,7 @@ def _served(
         facts["world_size"] = size.json()["world_size"]
         out.append(ok(area, "world size", f"{facts['world_size']} engine worker(s)"))
     else:
-        fix = "this vLLM has no /get_world_size: use vLLM 0.27.1 to 0.32.0"
+        fix = "this vLLM has no /get_world_size: use vLLM 0.30.0 or 0.32.0"
         out.append(fail(area, "world size", f"/get_world_size: HTTP {size.status_code}", fix))
     info = _get(url, "/server_info", timeout_s, config_format="json")
     config = info.json().get("vllm_config") if info.status_code == 200 else None

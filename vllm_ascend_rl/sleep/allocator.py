@@ -175,6 +175,13 @@ class CaMemAllocator:
         finally:
             self.vmm.table_set_tag(previous)
 
+    def outside(self, tag: str, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """The ones of ``tensors`` that no allocation of ``tag`` backs."""
+        with self._lock:
+            spans = [(a.addr, a.addr + a.size) for a in self._entries() if a.tag == tag]
+        ptrs = [(t, t.untyped_storage().data_ptr()) for t in tensors]
+        return [t for t, p in ptrs if not any(lo <= p < hi for lo, hi in spans)]
+
     def keep_only(self, tag: str, tensors: Iterable[torch.Tensor]) -> int:
         """Re-tag ``sleep_persistent`` every allocation of ``tag`` that backs none of
         ``tensors``; return how many. A pool around a whole initialization step also catches

@@ -7,22 +7,20 @@ machine (docs/failure-semantics.md#one-trainer-owns-the-weight-channel). :data:`
     NONE / FAILED / GONE --claim--> CONNECTING   (a claim closes the current link first)
 
 An init from another trainer is refused while the owner is CONNECTING or UP (an UP owner is
-first asked whether it is still there); the owner's own init replaces its connection. The
-transport's ``connect(deadline)`` runs on the worker thread (NPU IPC: the trainer counts the
-workers that said hello when its init call returns) or on the connection's own thread (HCCL:
-the engine keeps generating through the rendezvous); either way its outcome is one event,
-``connected`` or ``fail``, or ``expire`` from a timer at ``timeout_s``. Then that thread
-checks every ``WATCH_TICK_S`` whether the trainer left and, if so, closes the link: an idle
-engine gets no call from vLLM, and only a poll notices a trainer that died between updates and
-frees what the worker maps or holds for it (a TCPStore key for HCCL, the socket's end for NPU
-IPC). Every change happens under ``lock``, which the engine holds through each of vLLM's
-calls."""
+first asked whether it is still there); the owner's own init replaces its connection. Each
+init has one thread of its own: it runs the transport's ``connect(deadline)`` (the init waits
+for it on NPU IPC, where the trainer counts the workers that said hello when its init call
+returns; not on HCCL, where the engine keeps generating through the rendezvous), whose outcome
+is one event, ``connected`` or ``fail``. An init still connecting past ``timeout_s`` fails
+(``expire``) at the first look after it, however long torch's rendezvous retries. Once UP the
+thread checks every ``WATCH_TICK_S`` whether the trainer left and, if so, closes the link: an
+idle engine gets no call from vLLM, and only a poll notices a trainer that died between updates
+and frees what the worker maps or holds for it (a TCPStore key for HCCL, the socket's end for
+NPU IPC). Every change happens under ``lock``, which the engine holds through each of vLLM's
+calls; a thread whose init a newer one replaced changes nothing."""
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -85,20 +83,10 @@ TRANSITIONS: dict[tuple[ConnState, ConnEvent], ConnState] = {
 }
 
 ANONYMOUS = "(anonymous)"  # the trainer of an init or update that names none (by hand)
-_identity: tuple[int, str] = (0, "")
 
 
 def _named(trainer: str) -> str:
     return trainer or ANONYMOUS
-
-
-def trainer_id() -> str:
-    """This process's identity as a trainer (host, pid, random), new in a forked child."""
-    global _identity
-    if _identity[0] != os.getpid():
-        pid = os.getpid()
-        _identity = (pid, f"{socket.gethostname()}:{pid}:{secrets.token_hex(4)}")
-    return _identity[1]
 
 
 class NotConnected(RuntimeError):
@@ -122,7 +110,7 @@ class Connection(Generic[L]):
         self.trainer, self.since, self.why = "", "", ""
         self.timeout_s = self.deadline = 0.0
         self._link: L | None = None  # set exactly while UP
-        self._claim = 0  # which init a connecting thread works for
+        self._thread: threading.Thread | None = None  # the latest init's (see start)
 
     def _fire(self, event: ConnEvent, why: str = "") -> None:
         after = TRANSITIONS.get((self.state, event))
@@ -137,7 +125,7 @@ class Connection(Generic[L]):
         return text + (f": {self.why})" if self.why else ")")
 
     # -- events (lock held) ------------------------------------------------------------
-    def claim(self, trainer: str, timeout_s: float) -> int:
+    def claim(self, trainer: str, timeout_s: float) -> None:
         """At init: refuse (ValueError, nothing changed) if another trainer owns the channel;
         else close the current link and make ``trainer`` the owner, CONNECTING."""
         self._check_peer()
@@ -152,8 +140,6 @@ class Connection(Generic[L]):
         self._fire(ConnEvent.CLAIM)
         self.trainer, self.since = _named(trainer), time.strftime("%H:%M:%S")
         self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
-        self._claim += 1
-        return self._claim
 
     def close(self, why: str) -> None:
         """Close the link, if any (any thread); the owner is GONE."""
@@ -192,62 +178,64 @@ class Connection(Generic[L]):
             )
 
     def _check_peer(self) -> None:
+        """What time and the trainer say now: an init past its deadline failed, and a
+        trainer that left is released."""
+        if self.state is ConnState.CONNECTING and time.monotonic() >= self.deadline:
+            self._fire(ConnEvent.EXPIRE, f"no connection within timeout_s={self.timeout_s:g}s")
+            logger.error("weight transfer init failed: %s", self.describe())
         why = self._link.peer_gone() if self._link is not None else None
         if why:
             logger.warning("weight transfer: the trainer left (%s); releasing its connection", why)
             self.close(f"the trainer left: {why}")
 
     # -- connecting and watching -------------------------------------------------------
-    def start(self, claim: int, connect: Callable[[float], L], background: bool) -> None:
-        """Run ``connect(deadline)`` for ``claim`` here (raising its error) or on the
-        connection's thread, then watch the trainer on that thread until it leaves. A timer
-        fires ``expire`` at the deadline if the connect has not settled by then (torch's
-        rendezvous may retry past it)."""
-        timer = threading.Timer(max(0.0, self.deadline - time.monotonic()), self._expire, (claim,))
-        timer.daemon = True
-        timer.start()
+    def start(self, connect: Callable[[float], L], background: bool) -> None:
+        """Run ``connect(deadline)`` for the init just claimed on a thread of its own, which
+        then watches the trainer until it leaves; unless ``background``, wait here until the
+        connect has settled, raising its error."""
+        settled, failed = threading.Event(), list[Exception]()
+        run = (connect, settled, failed)
+        self._thread = threading.Thread(target=self._run, args=run, name="weight-connection")
+        self._thread.daemon = True
+        self._thread.start()
         if not background:
-            self._settle(claim, connect, timer)
-        args = (claim, connect if background else None, timer)
-        threading.Thread(target=self._run, args=args, daemon=True, name="weight-connection").start()
+            settled.wait()  # the connect itself is bounded by the deadline
+            if failed:
+                raise failed[0]
 
     def _run(
-        self, claim: int, connect: Callable[[float], L] | None, timer: threading.Timer
+        self, connect: Callable[[float], L], settled: threading.Event, failed: list[Exception]
     ) -> None:
-        self.hw.bind_thread()
-        if connect is not None:
-            try:
-                self._settle(claim, connect, timer)
-            except Exception:
-                return
+        try:
+            self._settle(connect)
+        except Exception as e:
+            failed.append(e)
+            return
+        finally:
+            settled.set()
         while True:
             time.sleep(WATCH_TICK_S)
             with self.lock:
-                if self._claim != claim or self.state is not ConnState.UP:
+                if self._thread is not threading.current_thread() or self.state is not C.UP:
                     return
                 self._check_peer()
 
-    def _expire(self, claim: int) -> None:
-        with self.lock:
-            if self._claim == claim and self.state is ConnState.CONNECTING:
-                self._fire(ConnEvent.EXPIRE, f"no connection within timeout_s={self.timeout_s:g}s")
-                logger.error("weight transfer init failed: %s", self.describe())
-
-    def _settle(self, claim: int, connect: Callable[[float], L], timer: threading.Timer) -> None:
+    def _settle(self, connect: Callable[[float], L]) -> None:
         """Connect, then fire the outcome, unless the init expired or a newer one replaced it
         meanwhile (then the new link is closed unused)."""
         try:
+            self.hw.bind_thread()
             link = connect(self.deadline)
         except Exception as e:
             with self.lock:
-                timer.cancel()
-                if self._claim == claim and self.state is ConnState.CONNECTING:
+                self._check_peer()  # past the deadline the init failed by expiring
+                if self._thread is threading.current_thread() and self.state is C.CONNECTING:
                     self._fire(ConnEvent.FAIL, f"{type(e).__name__}: {e}")
                     logger.error("weight transfer init failed: %s", self.describe())
             raise
         with self.lock:
-            timer.cancel()
-            if self._claim != claim or self.state is not ConnState.CONNECTING:
+            self._check_peer()
+            if self._thread is not threading.current_thread() or self.state is not C.CONNECTING:
                 link.close()
                 raise NotConnected(f"this init is over: {self.describe()}")
             self._link = link

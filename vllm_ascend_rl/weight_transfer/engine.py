@@ -6,7 +6,6 @@ Every method vLLM calls holds ``lock``."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,8 +18,9 @@ from vllm.config import set_current_vllm_config
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from vllm_ascend_rl import metrics
-from vllm_ascend_rl.compat import EngineCompat
 from vllm_ascend_rl.device import device_for, worker_index
+from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes
 from vllm_ascend_rl.weight_transfer.connection import Connection, Link, NotOwner
 from vllm_ascend_rl.weight_transfer.session import State, UpdateCancelled, UpdateSession
@@ -42,6 +42,8 @@ from vllm_ascend_rl.weight_transfer.wire import (
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
+
+logger = get_logger(__name__)
 
 
 class TransferFailed(RuntimeError):
@@ -96,7 +98,7 @@ def refused(verdict: int, same: bool, reason: str | None) -> WeightUpdateRefused
     return WeightUpdateRefused(reason)
 
 
-class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K]):
+class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
     """Loads through vLLM's layerwise reload, refuses bad updates whole, one trainer at a time."""
 
     backend: ClassVar[str]
@@ -124,7 +126,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
         self.session.readiness.announce_to(vllm_config, worker_index(self.parallel_config))
         self.connection: Connection[K] = Connection(self.lock, self.hw)
         self.init_info: I | None = None
-        self._refused_during_update = False  # a call not the owner's, refused mid-update
+        self.step_hold = StepHold.GATE
 
     def dial(self, info: I) -> Callable[[float], K]:
         """Check ``info`` against this worker (ValueError now), and say how to connect."""
@@ -141,9 +143,10 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
     def init_transfer_engine(self, init_info: I) -> None:
         """Claims the channel for ``init_info``'s trainer and connects (see connection.py)."""
         check_init(self.vllm_config, init_info)
+        self.step_hold = self.session.readiness.step_hold(self.vllm_config)  # for the trainer
         connect = self.dial(init_info)
         with self.lock:
-            claim = self.connection.claim(init_info.trainer_id, init_info.timeout_s)
+            self.connection.claim(init_info.trainer_id, init_info.timeout_s)
             self.session.reconnect(
                 init_info.on_failure,
                 init_info.packed_num_buffers,
@@ -151,7 +154,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
                 init_info.timeout_s,
             )
             self.init_info = init_info
-        self.connection.start(claim, connect, self.connects_in_background)
+        self.connection.start(connect, self.connects_in_background)
 
     def start_weight_update(self) -> None:
         with self._entered():
@@ -169,7 +172,6 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
             except Exception as e:
                 if opened and isinstance(e, NotOwner):
                     self.session.count_refusal(e)
-                    self._refused_during_update = True  # see reset_weight_update_target
                     raise WeightUpdateRefused(
                         f"refused weight update: {e}. The owner's open update goes on", e.cause
                     ) from e
@@ -180,30 +182,7 @@ class AscendRLEngine(EngineCompat, WeightTransferEngine[I, U], Generic[I, U, K])
                     raise type(e)(f"{e}; {state}") from e
                 raise
 
-    def reset_weight_update_target(self) -> None:
-        """vLLM's worker calls this after it ended its update because ``update_weights``
-        raised (``gpu_worker.py:1581-1585`` in 0.32.0, ``:1295-1298`` in 0.27.1). After a
-        refused call that was not the owner's, the owner's update is still open here, so the
-        worker's is put back: the caller's ``_weight_update_active``. vllm-ascend's
-        ``NPUWorker`` calls no hook (``worker.py:320-325`` at 182b75e): there the owner's next
-        call fails with vLLM's "start_weight_update must be called before update_weights"."""
-        super().reset_weight_update_target()
-        if self._refused_during_update:
-            self._refused_during_update = False
-            worker = sys._getframe(1).f_locals.get("self")
-            if worker is not None and getattr(worker, "weight_transfer_engine", None) is self:
-                worker._weight_update_active = True
-
-    def receive_weights(self, update_info: U, **legacy: Any) -> None:
-        if "load_weights" in legacy:  # vllm-ascend v0.22-v0.26 and tag v0.23.0
-            raise RuntimeError(
-                "this vllm-ascend release calls receive_weights(info, load_weights=...) and "
-                "never start_weight_update/finish_weight_update on the engine; vllm_ascend_rl's "
-                "engines need vllm-ascend main at or after commit 9eabafb0c8 ('[Refactor] Align "
-                "weight transfer lifecycle with vLLM (#12876)'). No weight was loaded."
-            )
-        if legacy:
-            raise TypeError(f"receive_weights() got unexpected arguments {sorted(legacy)}")
+    def receive_weights(self, update_info: U) -> None:
         link = self.connection.link()
         self.connection.require_owner(update_info.trainer_id)
         assert self.init_info is not None  # set with the connection

@@ -171,7 +171,8 @@ class AscendRLHCCLWeightTransferEngine(
         try:
             sig = wire_signature(info, DIRECT_BYTES)
             left = max(0.0, deadline - time.monotonic())
-            _, same = channel.agree(Verdict.GO, sig, "init handshake", timeout_s=left)
+            # The init handshake's code: what holds this worker's steps (readiness.StepHold).
+            _, same = channel.agree(self.step_hold, sig, "init handshake", timeout_s=left)
             if not same:
                 raise ValueError(
                     "trainer and engine disagree on the weight-transfer protocol or wire "

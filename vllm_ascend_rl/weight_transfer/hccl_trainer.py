@@ -16,6 +16,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from vllm_ascend_rl.device import current_device
+from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -25,7 +26,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
 )
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
-from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferInitInfo,
@@ -40,7 +40,13 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     check_world_size,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
+from vllm_ascend_rl.weight_transfer.wire import (
+    Verdict,
+    plan_signature,
+    trainer_id,
+    wire_params,
+    wire_signature,
+)
 
 
 class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
@@ -59,6 +65,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
         self.hw = current_device()
         self.channel: BroadcastChannel | None = None
+        self.step_hold = StepHold.GATE  # the engine's, learned in the init handshake
         self._staging: list[torch.Tensor] = []
 
     @classmethod
@@ -125,9 +132,10 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         try:
             sig = wire_signature(info, DIRECT_BYTES)
             left = max(0.0, deadline - time.monotonic())
-            _, same = channel.agree(
-                Verdict.GO, sig, "init handshake", init_call.raise_if_failed, timeout_s=left
+            lowest, same = channel.agree(
+                StepHold.GATE, sig, "init handshake", init_call.raise_if_failed, timeout_s=left
             )
+            self.step_hold = StepHold(lowest)  # what holds the engine's steps (its workers')
             if not same:
                 raise WeightSyncError(
                     "trainer and engine disagree on the weight-transfer protocol or wire "

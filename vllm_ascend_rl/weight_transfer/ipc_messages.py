@@ -20,6 +20,7 @@ class Hello(_Strict):  # engine worker -> its chip's rank, on connecting
     worker: int
     wire: int  # wire_signature
     location: dict[str, str]
+    step_hold: int  # readiness.StepHold
 
 
 class Welcome(_Strict):  # rank -> worker, or sender -> another rank: the answer to its hello
@@ -40,6 +41,7 @@ class Init(_Strict):  # sender -> the other ranks: the engine's init returned
 class Workers(_Strict):  # another rank -> the sender: the engine workers it welcomed
     kind: Literal["workers"] = "workers"
     count: int
+    step_hold: int  # the lowest of theirs (readiness.StepHold)
 
 
 class Update(_Strict):  # sender -> the other ranks: an update begins

@@ -227,7 +227,8 @@ class AscendRLNPUIPCWeightTransferEngine(
         def connect(deadline: float) -> IPCLink:
             doorbell = Doorbell.connect(address, max(0.001, deadline - time.monotonic()))
             try:
-                doorbell.send(Hello(worker=rank, wire=wire_signature(info, None), location=here))
+                wire, hold = wire_signature(info, None), self.step_hold
+                doorbell.send(Hello(worker=rank, wire=wire, location=here, step_hold=hold))
                 refusal = doorbell.expect(Welcome, None, "init handshake").reason
                 if refusal is not None:
                     raise IpcHandleError(refusal)

@@ -36,6 +36,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError, current_device
 from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer import ipc_messages as msg
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -46,7 +47,6 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
-from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
@@ -60,7 +60,13 @@ from vllm_ascend_rl.weight_transfer.trainer_side import (
     WeightSyncError,
     send_update,
 )
-from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_signature, wire_params, wire_signature
+from vllm_ascend_rl.weight_transfer.wire import (
+    Verdict,
+    plan_signature,
+    trainer_id,
+    wire_params,
+    wire_signature,
+)
 
 logger = get_logger(__name__)
 
@@ -101,6 +107,7 @@ class Acceptor:
     def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, msg.Hello], bool]):
         self.listener, self.greet = listener, greet
         self.workers: list[Doorbell] = []
+        self.step_hold = StepHold.GATE  # the lowest of the welcomed workers'
         self.peers: dict[int, Doorbell] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ipc-acceptor")
@@ -119,6 +126,7 @@ class Acceptor:
                     case msg.Hello() as hello:
                         if self.greet(doorbell, hello):
                             self.workers.append(doorbell)
+                            self.step_hold = min(self.step_hold, StepHold(hello.step_hold))
                         else:
                             doorbell.close()
                     case other:
@@ -157,6 +165,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         self.ring: list[ExportedBuffer] = []
         self.chip = self.hw.location()["chip"]
         self.update_id = 0
+        self.step_hold = StepHold.GATE  # the engine's, learned in the init handshake
         # Unlink and unmap the ring when this engine is collected or the trainer exits.
         self._finalizer = weakref.finalize(self, _release, self.ring)
 
@@ -227,11 +236,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         failure = init_call.failure(None)  # every worker said hello inside the call
         acceptor.stop()
         self.peers = [acceptor.peers[r] for r in sorted(acceptor.peers)]
-        counts = [len(acceptor.workers)]
+        counts, self.step_hold = [len(acceptor.workers)], acceptor.step_hold
         for peer in self.peers:
             peer.send(msg.Init(reason=failure))
             if failure is None:
-                counts.append(peer.expect(msg.Workers, None, "init handshake").count)
+                workers = peer.expect(msg.Workers, None, "init handshake")
+                counts.append(workers.count)
+                self.step_hold = min(self.step_hold, StepHold(workers.step_hold))
         if failure is not None:
             raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
         if not sum(counts):
@@ -246,7 +257,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         acceptor.stop()
         if init.reason is not None:
             raise WeightSyncError(f"init_weight_transfer_engine failed: {init.reason}")
-        sender.send(msg.Workers(count=len(acceptor.workers)))
+        sender.send(msg.Workers(count=len(acceptor.workers), step_hold=acceptor.step_hold))
 
     # -- one update: the sender's steps (send_update) ----------------------------------
     def not_ready(self) -> str | None:

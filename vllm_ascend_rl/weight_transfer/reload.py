@@ -69,12 +69,14 @@ class LayerwiseReload:
 
     def finish(self, model_config: ModelConfig) -> None:
         """Process what is left of the new weights (vLLM's layerwise reload copies each layer
-        into its kernel tensors); then :func:`keep_derived_in_place` as of ``begin``."""
-        model, self.model = self.model, None
-        self._pending, self._backup = [], {}
-        derived, self._derived = self._derived, {}
-        finalize_layerwise_reload(model, model_config)
-        keep_derived_in_place(derived)
+        into its kernel tensors); then :func:`keep_derived_in_place` as of ``begin``. If that
+        raises, the update stays open here for :meth:`abort`."""
+        finalize_layerwise_reload(self.model, model_config)
+        keep_derived_in_place(self._derived)
+        self._forget()
+
+    def _forget(self) -> None:
+        self.model, self._pending, self._backup, self._derived = None, [], {}, {}
 
     def evacuate(self, storage: torch.Tensor) -> int:
         """Clone the received tensors of incomplete layers that alias ``storage``; return how
@@ -111,7 +113,10 @@ class LayerwiseReload:
             elif info.load_numel > 0:
                 info.loaded_weights.clear()  # partial: forget, restore old at finalize
                 info.load_numel = 0
-        self.finish(model_config)
+        try:
+            self.finish(model_config)
+        finally:
+            self._forget()
         if restored or kept:
             logger.warning(
                 "weight update aborted: %d layer(s) restored, %d keep new weights", restored, kept

@@ -6,11 +6,17 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
     IDLE --start--> OPEN --receive--> RECEIVING --loaded--> RECEIVED --finish--> IDLE
                      |                    |                   |  '--receive--> RECEIVING
                      |--finish--> IDLE    '--fail--> IDLE     '--cancel--> CANCELLED
-                     '--cancel--> CANCELLED --finish/fail--> IDLE
+                     '--cancel--> CANCELLED --finish/fail--> IDLE, --start--> OPEN
+    OPEN / RECEIVED --start--> OPEN (the open update cancelled first)
 
 - ``fail`` ends the update at once: vLLM's worker closes its session when ``update_weights`` raises.
+  So does a ``finish`` that raises, but there the worker still counts the update open: the
+  ``finish`` that follows (IDLE --finish--> IDLE) has nothing left to do and lets it close.
 - ``cancel`` (forward pass, new init, shutdown) ends it too, but the worker still counts it as
   open, so ``finish`` (or a failing ``update_weights``) follows.
+- ``start`` while an update is open here means the worker ended its record of it (another
+  trainer's ``update_weights`` was refused on a worker that does not keep the owner's
+  update, ``worker.SleepableMixin.update_weights``): that update is cancelled, a new one opens.
 - Any end but ``finish`` from ``RECEIVED`` restores the old weights (``restore``) or, under
   ``hold`` once layers took new weights, leaves the model *not whole*: the plugin scheduler
   refuses every resume (``readiness.py``) until an update completes.
@@ -27,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_ascend_rl import metrics
+from vllm_ascend_rl.compat import mtp_check_off
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import Readiness, readiness_of
@@ -63,18 +70,22 @@ class Event(Enum):
 S, E = State, Event
 TRANSITIONS: dict[tuple[State, Event], State] = {
     (S.IDLE, E.START): S.OPEN,
+    (S.IDLE, E.FINISH): S.IDLE,  # after a finish that failed: the worker's record ends
     (S.IDLE, E.FAIL): S.IDLE,
     (S.IDLE, E.CANCEL): S.IDLE,
+    (S.OPEN, E.START): S.OPEN,  # the worker dropped the update (see start)
     (S.OPEN, E.RECEIVE): S.RECEIVING,
     (S.OPEN, E.FINISH): S.IDLE,  # nothing arrived: the old weights stay
     (S.OPEN, E.FAIL): S.IDLE,
     (S.OPEN, E.CANCEL): S.CANCELLED,
     (S.RECEIVING, E.LOADED): S.RECEIVED,
     (S.RECEIVING, E.FAIL): S.IDLE,
+    (S.RECEIVED, E.START): S.OPEN,  # the worker dropped the update (see start)
     (S.RECEIVED, E.RECEIVE): S.RECEIVING,  # another chunk of the same update
     (S.RECEIVED, E.FINISH): S.IDLE,  # the update is applied
     (S.RECEIVED, E.FAIL): S.IDLE,
     (S.RECEIVED, E.CANCEL): S.CANCELLED,
+    (S.CANCELLED, E.START): S.OPEN,  # the worker dropped the update (see start)
     (S.CANCELLED, E.FINISH): S.IDLE,
     (S.CANCELLED, E.FAIL): S.IDLE,
     (S.CANCELLED, E.CANCEL): S.CANCELLED,
@@ -89,6 +100,13 @@ class IllegalTransition(RuntimeError):
 
 class UpdateCancelled(IllegalTransition):
     """A call on an update already cancelled; the message says why and what the model holds."""
+
+
+class FinishFailed(RuntimeError):
+    """Post-load processing failed in ``finish_weight_update``; the update ended as a failed
+    ``update_weights`` ends one (the message says what the model holds)."""
+
+    cause = "finish_failed"
 
 
 def cause_of(e: BaseException) -> str:
@@ -117,6 +135,7 @@ class UpdateSession:
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
         self.cancelled: str | None = None  # why the open update was cancelled
+        self.ended = "none was opened"  # how the last update ended
         self.moved = dict.fromkeys(_FIGURES, 0.0)  # this update's figures (metrics)
         self.readiness = readiness_of(model)
         self._guard: RemovableHandle | None = None
@@ -153,6 +172,8 @@ class UpdateSession:
     def start(self) -> None:
         """``start_weight_update``: open layerwise reload (with a host copy of the old weights
         unless ``hold``) and guard the forward pass."""
+        if self.state in (State.OPEN, State.RECEIVED):  # the worker's record of it ended
+            self.cancel("the worker ended it and started a new one", "superseded")
         self._next(Event.START)  # before the host copy
         self.reload.begin(self.model, self.model_config, not self.hold, self.workers_on_host)
         self._go(Event.START)
@@ -170,10 +191,8 @@ class UpdateSession:
     def load(self, bucket: Bucket, buf: torch.Tensor, waited_s: float) -> None:
         """Load one bucket that took ``waited_s`` to arrive; layerwise reload may keep views of
         ``buf`` until a layer completes."""
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
         started = time.perf_counter()
-        with disable_mtp_completeness_check():
+        with mtp_check_off():
             self.model.load_weights(unpack_views(buf, bucket))  # type: ignore[operator]  # torch stubs: Module.__getattr__
         self.moved["weight_update_load_seconds"] += time.perf_counter() - started
         self.moved["weight_update_transport_seconds"] += waited_s
@@ -185,15 +204,26 @@ class UpdateSession:
             self.readiness.set(Readiness.UPDATING, idle_s=self.idle_s)
 
     def finish(self) -> None:
-        """``finish_weight_update``: apply what arrived, or end an update that got nothing."""
+        """``finish_weight_update``: apply what arrived, or end an update that got nothing.
+        Post-load processing that raises ends the update as ``on_failure`` says (FinishFailed)."""
         before = self._go(Event.FINISH)
-        if before is State.CANCELLED:
+        if before is State.IDLE:
+            logger.warning(
+                "finish_weight_update: no update is open here (it ended: %s)", self.ended
+            )
+        elif before is State.CANCELLED:
             logger.warning("finish_weight_update: nothing applied, %s", self.cancelled)
         elif before is State.OPEN:
             why = self._abort("cancelled", "nothing_received")
             logger.warning("finish_weight_update without any update: %s", why)
         else:
-            self.reload.finish(self.model_config)
+            try:
+                self.reload.finish(self.model_config)
+            except Exception as e:
+                why = f"post-load processing failed: {type(e).__name__}: {e}"
+                held = self._abort("failed", FinishFailed.cause)
+                self.ended = f"its finish failed ({why}); {held}"
+                raise FinishFailed(f"finish_weight_update: {self.ended}") from e
             self.readiness.set(Readiness.WHOLE)
             self._end("ok", "")
 
@@ -231,7 +261,18 @@ class UpdateSession:
     def _abort(self, result: str, cause: str) -> str:
         """Undo the open update's reload; what the model holds now."""
         started = time.perf_counter()
-        restored, kept, restored_bytes = self.reload.abort(self.model_config)
+        version = f" of version {self.version!r}" if self.version else ""
+        try:
+            restored, kept, restored_bytes = self.reload.abort(self.model_config)
+        except Exception as e:  # processing fails on the old weights too
+            logger.exception("undoing the weight update failed")
+            restored, kept, restored_bytes = 0, 0, 0
+            self.readiness.set(
+                Readiness.NOT_WHOLE,
+                f"the weights are not whole: a weight update{version} failed and could not be "
+                f"undone ({type(e).__name__}: {e}); generation is refused until a weight "
+                "update completes",
+            )
         if restored:
             metrics.record(
                 {
@@ -241,7 +282,6 @@ class UpdateSession:
                 backend=self.backend,
             )
         if kept:
-            version = f" of version {self.version!r}" if self.version else ""
             self.readiness.set(
                 Readiness.NOT_WHOLE,
                 f"the weights are not whole: a weight update{version} failed after {kept} "
@@ -269,6 +309,7 @@ class UpdateSession:
         update, unless a collective may be queued); drop the guard unless the weights are not
         whole."""
         self._count(result, cause)
+        self.ended = f"{result} ({cause})" if cause else result
         metrics.record(self.moved, side="engine", backend=self.backend)
         self.version = None
         self._set_guard()

@@ -15,8 +15,9 @@ import requests
 from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
 from vllm_ascend_rl import metrics
-from vllm_ascend_rl.client import error_message
+from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
 from vllm_ascend_rl.weight_transfer.channel import ChannelError
 from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
@@ -40,7 +41,7 @@ class WeightSyncError(RuntimeError):
 
 
 # Causes of a sync refused before any byte moved (the weights are the old ones).
-REFUSALS = ("refused_by_engine", "not_connected")
+REFUSALS = ("refused_by_engine", "not_connected", "not_paused")
 
 
 # Failures of the connection itself (as opposed to bugs in the caller's weight source).
@@ -150,6 +151,7 @@ class Transport(Protocol):
     client: VLLMWeightSyncClient
     source: WeightSource
     is_sender: bool
+    step_hold: StepHold  # what holds the engine's steps during an update (init handshake)
 
     @property
     def init_info(self) -> HCCLTrainerInitInfo | NPUIPCTrainerInitInfo: ...
@@ -232,6 +234,8 @@ def _send(t: Transport, weight_version: str | None) -> SyncResult:
         raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
     if weight_version is not None:
         payload["weight_version"] = weight_version
+    if t.step_hold is not StepHold.GATE:
+        require_paused(t.client, t.step_hold)
     update = _open_update(t, plan, payload)
     try:
         t.send(plan, iter(t.source), update)
@@ -266,6 +270,35 @@ def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundC
         reason = update.failure(t.init_info.timeout_s)
         raise WeightSyncError(f"engine refused the update: {reason}", "refused_by_engine")
     return update
+
+
+UNHELD = {
+    StepHold.NONE: "its scheduler has no step gate (not the plugin's, or replaced by "
+    "vllm-ascend's scheduler options)",
+    StepHold.LOCKSTEP: "it serves a MoE model with data parallel, whose engine cores step "
+    "together, dummy batches included",
+}
+
+
+def require_paused(client: Any, hold: StepHold) -> None:
+    """Refuse, before the update opens, to sync an engine whose steps nothing holds unless it
+    is paused (``client.is_paused()``, else ``/is_paused``; unknown counts as not paused)."""
+    ask, url = getattr(client, "is_paused", None), getattr(client, "base_url", None)
+    try:
+        paused = (
+            ask() if callable(ask) else url and EngineControlClient(url, timeout_s=30).is_paused()
+        )
+    except EngineControlError:
+        paused = None
+    if not paused:
+        raise WeightSyncError(
+            f"refusing to open a weight update while {engine_name(client)} may generate: "
+            f"{UNHELD[hold]}, and it is {'not' if paused is False else 'not known to be'} "
+            "paused. Pause it first (/pause) and resume after, or serve it with --scheduler-cls "
+            "vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler (not for MoE with "
+            "data parallel). Nothing was sent.",
+            "not_paused",
+        )
 
 
 def start_update(client: Any) -> None:

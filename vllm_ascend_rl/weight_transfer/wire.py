@@ -4,6 +4,9 @@ at every update; docs/failure-semantics.md#agreement-before-any-byte-moves)."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 import zlib
 from dataclasses import fields
 from enum import IntEnum
@@ -21,10 +24,9 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     dtype_name,
     plan_buckets,
 )
-from vllm_ascend_rl.weight_transfer.connection import trainer_id
 from vllm_ascend_rl.weight_transfer.validation import parse_specs
 
-PROTOCOL_VERSION = 7  # bump when what travels, or what is signed, changes
+PROTOCOL_VERSION = 8  # bump when what travels, or what is signed, changes
 MAX_BUCKET_BYTES = 1 << 36  # 64 GiB: a bucket is staged whole on both sides
 MAX_TIMEOUT_S = 24 * 3600.0
 
@@ -35,6 +37,18 @@ WIRE_CONFIG = ConfigDict(strict=True, extra="forbid", hide_input_in_errors=True)
 @dataclass_transform(kw_only_default=True, field_specifiers=(Field,))  # what mypy sees
 def wire_dataclass(cls: type[Any]) -> type[Any]:
     return pydantic_dataclass(cls, kw_only=True, config=WIRE_CONFIG)
+
+
+_identity: tuple[int, str] = (0, "")
+
+
+def trainer_id() -> str:
+    """This process's identity as a trainer (host, pid, random), new in a forked child."""
+    global _identity
+    if _identity[0] != os.getpid():
+        pid = os.getpid()
+        _identity = (pid, f"{socket.gethostname()}:{pid}:{secrets.token_hex(4)}")
+    return _identity[1]
 
 
 BucketBytes = Annotated[int, Field(gt=0, le=MAX_BUCKET_BYTES)]

@@ -7,6 +7,7 @@ import gc
 from typing import TYPE_CHECKING, Any
 
 from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, worker_readiness
+from vllm_ascend_rl.weight_transfer.connection import NotOwner
 from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
     """Both workers' sleep backend, ``ascend_rl_camem``, built by vLLM's own factory (the same
-    call in vLLM 0.27.1 and 0.32)."""
+    call in vLLM 0.30 and 0.32)."""
     from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
     from vllm_ascend_rl import metrics, register
@@ -44,9 +45,21 @@ def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> in
 
 
 def confine_kv_pool(worker: Any) -> int:
-    """After KV-cache initialization, keep across sleep whatever else the ``kv_cache`` pool
-    holds (attention bookkeeping, DSA buffers)."""
-    return worker.allocator.keep_only("kv_cache", kv_cache_tensors(worker.model_runner))
+    """After KV-cache initialization: the model runner's KV cache must lie in the ``kv_cache``
+    pool (a sleep would free none of it otherwise: RuntimeError naming the runner); whatever
+    else the pool holds (attention bookkeeping, DSA buffers) is kept across sleep."""
+    runner = worker.model_runner
+    tensors = list(kv_cache_tensors(runner))
+    outside = worker.allocator.outside("kv_cache", tensors)
+    if outside or not tensors:
+        raise RuntimeError(
+            f"the KV cache of {type(runner).__module__}.{type(runner).__name__} is not in the "
+            f"sleep allocator's kv_cache pool ({len(outside)} of {len(tensors)} tensors in "
+            "kv_caches outside it), so /sleep would free none of it. The sleepable workers "
+            "pool what initialize_kv_cache allocates and find the KV cache in kv_caches; with "
+            "vllm-ascend, run its V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
+    return worker.allocator.keep_only("kv_cache", tensors)
 
 
 class SleepableMixin(StartupAddressLedger):
@@ -61,7 +74,7 @@ class SleepableMixin(StartupAddressLedger):
 
     @staticmethod
     def check_sleep_level(level: int) -> None:
-        """Only levels 1 and 2 reach workers (0 stays in the engine core; 0.27.1 passes any)."""
+        """Only levels 1 and 2 reach workers (0 stays in the engine core; 0.30.0 passes any)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level {level} is not supported: use 1 or 2")
 
@@ -69,6 +82,18 @@ class SleepableMixin(StartupAddressLedger):
         discarded = self.readiness.state is Readiness.DISCARDED
         if discarded and (tags is None or "kv_cache" in tags):
             raise RuntimeError(f"refusing to wake the KV cache: {RELOAD_HINT}")
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> None:
+        """The base worker's (vLLM's and vllm-ascend's end their record of the update whenever
+        it raises); after another trainer's call, refused while the owner's update stays open
+        in the engine (cause ``not_owner``), the record stays too: the owner's next call goes
+        on."""
+        try:
+            super().update_weights(*args, **kwargs)
+        except Exception as e:
+            if getattr(e, "cause", None) == NotOwner.cause:
+                self._weight_update_active = True
+            raise
 
     def reload_weights(self, *args: Any, **kwargs: Any) -> None:
         """From a checkpoint directory (``weights_path=``, the HTTP form): checked first and

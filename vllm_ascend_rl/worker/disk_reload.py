@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from vllm_ascend_rl.compat import mtp_check_off
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 from vllm_ascend_rl.weight_transfer.session import State
@@ -26,7 +27,6 @@ def reload_from_disk(worker: Any, weights_path: str, keep_old: bool) -> None:
     with the old weights back (``keep_old``; after a level-2 sleep there is nothing to keep)."""
     from safetensors import safe_open
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
     session = getattr(getattr(worker, "weight_transfer_engine", None), "session", None)
     if session is not None and session.state is not State.IDLE:
@@ -53,7 +53,7 @@ def reload_from_disk(worker: Any, weights_path: str, keep_old: bool) -> None:
     with set_current_vllm_config(worker.vllm_config):
         reload.begin(model, model_config, keep_old, worker.parallel_config.world_size)
         try:
-            with disable_mtp_completeness_check():
+            with mtp_check_off():
                 model.load_weights(tensors())
         except Exception as e:
             restored, _, _ = reload.abort(model_config)

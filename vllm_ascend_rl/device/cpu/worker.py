@@ -62,7 +62,47 @@ def _weight_bytes(worker: CPUWorker) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
+class NPUWorkerLifecycle:
+    """STAND-IN for vllm-ascend's ``NPUWorker`` weight-update lifecycle (``worker.py:297-336``
+    at 182b75e), where it departs from vLLM's ``Worker``: no ``reset_weight_update_target``
+    hook, no ``set_current_vllm_config``, one update_info per call; the worker's record of the
+    update ends when ``update_weights`` raises and stays when ``finish_weight_update`` raises."""
+
+    weight_transfer_engine: Any
+    _weight_update_active: bool
+
+    def start_weight_update(self) -> None:
+        self._check_weight_transfer_engine()  # type: ignore[attr-defined]
+        if self._weight_update_active:
+            raise RuntimeError(
+                "start_weight_update called while a weight update is already active. Call "
+                "finish_weight_update first."
+            )
+        self.weight_transfer_engine.start_weight_update()
+        self._weight_update_active = True
+
+    def update_weights(self, update_info: dict) -> None:
+        self._check_weight_transfer_engine()  # type: ignore[attr-defined]
+        if not self._weight_update_active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        try:
+            self.weight_transfer_engine.update_weights(update_info)
+        except BaseException:
+            self._weight_update_active = False
+            raise
+
+    def finish_weight_update(self) -> None:
+        self._check_weight_transfer_engine()  # type: ignore[attr-defined]
+        if not self._weight_update_active:
+            raise RuntimeError("start_weight_update must be called before finish_weight_update.")
+        self.weight_transfer_engine.finish_weight_update()
+        self._weight_update_active = False
+
+
+class SleepableCPUWorker(SleepableMixin, NPUWorkerLifecycle, ChipCPUWorker):
+    """The stand-in of ``SleepableNPUWorker``: vLLM's CPU worker on an emulated chip, with the
+    sleep allocator and NPUWorker's weight-update lifecycle."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.camem_backend = attach_sleep_backend(self)
@@ -79,7 +119,7 @@ class SleepableCPUWorker(SleepableMixin, ChipCPUWorker):
         return self.allocator.use_memory_pool(tag) if pooled else nullcontext()
 
     def initialize_from_config(self, *args: Any, **kwargs: Any) -> None:
-        # vLLM 0.27.1 pools all of initialize_kv_cache, 0.32 only the KV allocation.
+        # vLLM pools the KV allocation (0.30: through kv_cache_allocation_context).
         super().initialize_from_config(*args, **kwargs)
         confine_kv_pool(self)
 
