@@ -58,8 +58,10 @@ class VLLMServer:
         startup_timeout_s: float = 300.0,
         additional_config: dict | None = None,
         chips: int = 1,
+        dtype: str = "bfloat16",
     ) -> None:
         self.model = str(model)
+        self.dtype = dtype
         self.extra_args = list(extra_args)
         self.served_model_name = served_model_name
         self.host = host
@@ -112,7 +114,7 @@ class VLLMServer:
             "--port",
             str(self.port),
             "--dtype",
-            "bfloat16",
+            self.dtype,
             "--max-model-len",
             str(self.max_model_len),
             "--gpu-memory-utilization",

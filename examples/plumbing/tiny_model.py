@@ -1,9 +1,10 @@
 """Tiny random-weight Qwen2 checkpoints built offline, for tests, examples and benchmarks.
 
-No model hub is reachable in CI, so every test builds its own checkpoint: a Qwen2 config, bf16
-random weights drawn from a seed, and a byte-level BPE tokenizer trained on a fixed synthetic
-corpus. The same spec with two seeds gives "old" and "new" weights of identical shape, which is
-what an RL weight swap needs. Checkpoints are cached on disk under a key of the spec.
+No model hub is reachable in CI, so every test builds its own checkpoint: a Qwen2 config,
+random weights drawn from a seed (bf16 unless the spec says otherwise), and a byte-level BPE
+tokenizer trained on a fixed synthetic corpus. The same spec with two seeds gives "old" and
+"new" weights of identical shape, which is what an RL weight swap needs. Checkpoints are cached
+on disk under a key of the spec.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class TinyModelSpec:
     # and stays stable across batch shapes on CPU kernels.
     lm_head_std: float = 0.25
     weight_std: float = 0.05
+    dtype: str = "bfloat16"  # stored in the checkpoint; servers and trainers load it as stored
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -140,8 +142,8 @@ def _write_config(path: Path, spec: TinyModelSpec, vocab_size: int, eos_id: int)
         "vocab_size": vocab_size,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
-        "torch_dtype": "bfloat16",
-        "dtype": "bfloat16",
+        "torch_dtype": spec.dtype,
+        "dtype": spec.dtype,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     tok_config = {
@@ -158,7 +160,7 @@ def _write_config(path: Path, spec: TinyModelSpec, vocab_size: int, eos_id: int)
 
 
 def random_weights(spec: TinyModelSpec, vocab_size: int | None = None):
-    """Deterministic bf16 weights for ``spec``; each tensor has its own generator, so the
+    """Deterministic weights for ``spec``, in its dtype; each tensor has its own generator, so the
     values of one tensor do not depend on the order or number of the others."""
     import torch
 
@@ -176,7 +178,7 @@ def random_weights(spec: TinyModelSpec, vocab_size: int | None = None):
             t = torch.randn(shape, generator=gen)
         else:
             t = spec.weight_std * torch.randn(shape, generator=gen)
-        tensors[name] = t.to(torch.bfloat16).contiguous()
+        tensors[name] = t.to(getattr(torch, spec.dtype)).contiguous()
     return tensors
 
 
@@ -233,11 +235,12 @@ def build_model_pair(
 
 
 def load_hf_model(path: Path | str):
-    """Load a checkpoint as a Hugging Face module (what a trainer holds), bf16 on CPU."""
+    """Load a checkpoint as a Hugging Face module (what a trainer holds), on CPU, in the
+    checkpoint's dtype."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").eval()
     # from_pretrained maps the safetensors file; a trainer's parameters live in ordinary
     # (anonymous, huge-page backed) memory, which copies ~1.7x faster than file pages.
     with torch.no_grad():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.e2e.test_pause_resume import (  # the same matrix, run on this module's server
     test_invalid_pause_mode_preserves_state,  # noqa: F401
@@ -29,15 +30,23 @@ from tests.support import (
 )
 from tests.support.profile import trainer_env
 from tests.support.rl_step import check_continuations, swap_unpaused
-from tests.support.tiny_model import parameter_shapes
 from tests.support.trainer import TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
+# ~120 MB of weights, so what a level-2 sleep frees per worker stands out. float32: in bf16 the
+# ranks' partial sums round with the batch's shape, and a stream recomputed after a sync could
+# part from its reference at a near-tie (CI once: one stream of four, the other three and the
+# probe exact on v2); float32 makes such ties some thousand times rarer.
 SPEC = TinyModelSpec(
-    num_layers=4, hidden_size=768, num_heads=12, num_kv_heads=12, intermediate_size=2048
-)  # ~60 MB of bf16 weights, so what a level-2 sleep frees per worker stands out
+    num_layers=4,
+    hidden_size=768,
+    num_heads=12,
+    num_kv_heads=12,
+    intermediate_size=2048,
+    dtype="float32",
+)
 KV_GIB = 1
 PROBE = "Tensor parallel:"
 
@@ -55,6 +64,7 @@ def tp2_engine(log_dir: Path) -> list[VLLMServer]:
             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},  # one core per TP rank on a CPU host
             kv_cache_gib=KV_GIB,
             chips=2,
+            dtype=SPEC.dtype,
             extra_args=[
                 *rl_engine_args("ascend_rl_hccl", sleepable=True),
                 *("--tensor-parallel-size", "2"),
@@ -90,13 +100,7 @@ def workers_memory(server: VLLMServer) -> list[dict[str, int]]:
 
 
 def weight_bytes() -> int:
-    total = 0
-    for _, shape in parameter_shapes(SPEC):
-        n = 1
-        for d in shape:
-            n *= d
-        total += 2 * n
-    return total
+    return SPEC.num_parameters() * getattr(torch, SPEC.dtype).itemsize
 
 
 def test_server_has_two_workers(server, ctl):
@@ -109,22 +113,24 @@ def test_an_unpaused_hccl_sync_reaches_both_ranks_between_two_tokens(server, ctl
     which runs no step until both are whole again; every stream then continues exactly on v2."""
     v1 = greedy_token_ids(server.url, PROBE, 16)
     env = trainer_env(server.chips, colocated=False)
-    with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
-        init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
-        # 600 tokens a stream: with 200 the streams could end before a sync that two workers on
-        # two busy cores made slow (CI once: every stream was v1 to its end).
-        sync = lambda: trainer.send(weight_version="v2", pause=False)  # noqa: E731
-        out = swap_unpaused(server.url, sync)
-    assert not out.problems, out.problems
-    synced = greedy_token_ids(server.url, PROBE, 16)
-    assert synced != v1
-    ctl.reload_weights(str(models[1]))  # a fresh TP=2 load of v2 from disk: the reference
-    assert greedy_token_ids(server.url, PROBE, 16) == synced
-    assert check_continuations(server.url, out, together=True) == [True] * len(out.streams)
-    log = server.log_path.read_text(errors="replace")
-    for rank in (1, 2):
-        assert f"HCCL weight transfer ready: rank {rank} of 3" in log
-    ctl.reload_weights(str(models[0]))
+    try:
+        with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
+            init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
+            # 600 tokens a stream: with 200 the streams could end before a sync that two
+            # workers on two busy cores made slow (CI once: every stream was v1 to its end).
+            sync = lambda: trainer.send(weight_version="v2", pause=False)  # noqa: E731
+            out = swap_unpaused(server.url, sync)
+        assert not out.problems, out.problems
+        synced = greedy_token_ids(server.url, PROBE, 16)
+        assert synced != v1
+        ctl.reload_weights(str(models[1]))  # a fresh TP=2 load of v2 from disk: the reference
+        assert greedy_token_ids(server.url, PROBE, 16) == synced
+        assert check_continuations(server.url, out, together=True) == [True] * len(out.streams)
+        log = server.log_path.read_text(errors="replace")
+        for rank in (1, 2):
+            assert f"HCCL weight transfer ready: rank {rank} of 3" in log
+    finally:  # the module's other tests start from v1
+        ctl.reload_weights(str(models[0]))
     assert greedy_token_ids(server.url, PROBE, 16) == v1
     print(f"\nTP=2 unpaused sync: {out.sync_ms:.0f} ms, streams left v1 at {out.split}")
 
