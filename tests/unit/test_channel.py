@@ -13,18 +13,24 @@ import torch
 
 from tests.support import free_port
 from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.wire import Verdict, signature
 
 
 def run_ranks(world: int, body, timeout_s: float = 5.0) -> list:
-    """Open a channel per rank in threads, run ``body(channel)`` on each; return results."""
+    """Open a channel per rank in threads, run ``body(channel)`` on each; return results.
+
+    The ranks share an emulated chip of their own, not the process's (``get_device``): a
+    collective a test abandons stays queued on its chip until its exec deadline, as on an NPU,
+    and would hold a later test's device syncs."""
     port = free_port()
     results: list = [None] * world
+    chip = CpuDevice(0)
 
     def rank_main(rank: int) -> None:
         try:
-            ch = BroadcastChannel.open(get_device("cpu"), "127.0.0.1", port, rank, world, timeout_s)
+            ch = BroadcastChannel.open(chip, "127.0.0.1", port, rank, world, timeout_s)
             try:
                 results[rank] = body(ch)
             finally:
@@ -141,8 +147,6 @@ def test_a_collective_that_trails_the_peers_http_answer_still_completes():
 def test_a_device_sync_waits_behind_a_queued_collective_until_it_completes():
     """Stand-in for the NPU (N3): a device-wide synchronize waits for a collective still
     queued on the device, here a broadcast the trainer has not joined yet."""
-    from vllm_ascend_rl.device.cpu.device import CpuDevice
-
     joined = threading.Event()
     synced: list[bool] = []
 
@@ -173,8 +177,6 @@ def test_a_handshake_nobody_joins_holds_device_syncs_only_until_the_exec_timeout
     """[N9] A handshake no trainer joins (an update_weights nobody sent) times out and the
     connection is closed, but the all-reduce stays queued on the device: the communicator's
     exec timeout (timeout_s, rounded up) bounds how long device-wide syncs wait behind it."""
-    from vllm_ascend_rl.device.cpu.device import CpuDevice
-
     done = threading.Event()
 
     def body(ch):
