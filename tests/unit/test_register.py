@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import vllm_ascend_rl
 from tests.support.standin_vllm_ascend import (
     ENTRY_POINT,
     THEIR_NAMES,
@@ -143,18 +142,6 @@ def test_entry_point_is_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
     ours = [ep for ep in eps if ep.name == "vllm_ascend_rl"]
     assert len(ours) == 1 and ours[0].value == "vllm_ascend_rl:register"
-
-
-def test_register_is_idempotent():
-    assert vllm_ascend_rl.register() == vllm_ascend_rl.register()
-
-
-def test_user_facing_trainer_imports_dispatch_to_our_names():
-    from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
-    from vllm_ascend_rl.weight_transfer.npu_ipc import NPUIPCTrainerInitInfo
-
-    assert HCCLTrainerInitInfo.backend == HCCL_BACKEND
-    assert NPUIPCTrainerInitInfo.backend == NPU_IPC_BACKEND
 
 
 def test_import_and_register_are_cheap():
