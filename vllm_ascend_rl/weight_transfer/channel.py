@@ -19,6 +19,7 @@ from torch.distributed import AllreduceOptions, BroadcastOptions, ReduceOp
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.device.group import exec_timeout_of, open_group
 from vllm_ascend_rl.logs import get_logger
+from vllm_ascend_rl.weight_transfer import TransportError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store, Work
@@ -54,7 +55,7 @@ def _await(work: Work, timeout_s: float, poll: Poll | None) -> Exception | None:
     return None
 
 
-class ChannelError(RuntimeError):
+class ChannelError(TransportError):
     """A collective failed or timed out; the channel must be re-initialized."""
 
 

@@ -15,13 +15,14 @@ from typing import NoReturn, TypeVar
 
 from pydantic import ValidationError
 
+from vllm_ascend_rl.weight_transfer import TransportError
 from vllm_ascend_rl.weight_transfer.ipc_messages import MESSAGE, Abort, Message
 
 Poll = Callable[[], None]
 M = TypeVar("M", bound=Message)
 
 
-class DoorbellError(RuntimeError):
+class DoorbellError(TransportError):
     """The peer went away, stayed silent past the deadline, or sent something unexpected."""
 
 

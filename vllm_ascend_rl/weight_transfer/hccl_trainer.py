@@ -6,16 +6,10 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Self
 
 import torch
-from vllm.distributed.weight_transfer.base import (
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
-from vllm_ascend_rl.device import current_device
 from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -35,10 +29,9 @@ from vllm_ascend_rl.weight_transfer.hccl import (
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
-    SyncResult,
+    TrainerTransport,
     WeightSyncError,
     check_world_size,
-    send_update,
 )
 from vllm_ascend_rl.weight_transfer.wire import (
     Verdict,
@@ -49,49 +42,29 @@ from vllm_ascend_rl.weight_transfer.wire import (
 )
 
 
-class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTrainerInitInfo]):
-    """Trainer side of the HCCL transport (:class:`~.trainer_side.Transport`)."""
+class AscendRLHCCLTrainerWeightTransferEngine(TrainerTransport[HCCLTrainerInitInfo]):
+    """Trainer side of the HCCL transport: the group is the sender and the engine workers."""
 
     init_info_cls = HCCLTrainerInitInfo
+    transport = "HCCL"
     alone_bytes = DIRECT_BYTES
-    source: WeightSource  # never None: trainer_init refuses a missing source
 
     def __init__(
         self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: HCCLTrainerInitInfo
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.init_info = init_info
-        # Read once, here: on NPU the current device is per thread, and the rendezvous and
-        # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
-        self.hw = current_device()
+        super().__init__(client=client, source=source, init_info=init_info)
         self.channel: BroadcastChannel | None = None
-        self.step_hold = StepHold.GATE  # the engine's, learned in the init handshake
         self._staging: list[torch.Tensor] = []
-
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: HCCLTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError("HCCL weight transfer needs a WeightSource (e.g. ModuleSource)")
-        engine = cls(client=client, source=source, init_info=init_info)
-        if engine.is_sender:  # the group is the sender and the engine workers
-            engine.channel = engine._connect()
-        return engine
-
-    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
-        """Push the source's weights into the engine; ``weight_version`` tags later outputs."""
-        return send_update(self, weight_version)
 
     def shutdown(self) -> None:
         self.abort()
         self.channel = None
 
-    def _connect(self) -> BroadcastChannel:
+    def connect(self) -> None:
+        if self.is_sender:  # other ranks only iterate the source
+            self.channel = self._open_channel()
+
+    def _open_channel(self) -> BroadcastChannel:
         """Rendezvous and init handshake with every engine worker, within ``timeout_s``. The
         engine's init call answers once it has checked the request (a refusal, e.g. another
         trainer owns the channel, ends this at once); the handshake is where both sides learn
@@ -148,7 +121,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
             raise
         return channel
 
-    # -- the transport's steps (send_update) -------------------------------------------
+    # -- the transport's steps (TrainerTransport) --------------------------------------
     def not_ready(self) -> str | None:
         return "not connected" if self.channel is None else self.channel.broken
 
@@ -156,7 +129,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
         return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
-        assert self.channel is not None  # send_update checked not_ready()
+        assert self.channel is not None  # _send checked not_ready()
         lowest, same = self.channel.agree(
             Verdict.GO, plan_signature(plan), "update handshake", update.raise_if_failed
         )
@@ -165,7 +138,7 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
         channel, depth = self.channel, self.init_info.packed_num_buffers
         piece = self.init_info.packed_buffer_size_bytes
-        assert channel is not None  # send_update checked not_ready()
+        assert channel is not None  # _send checked not_ready()
         need = max((b.nbytes for b in plan if not b.oversized), default=0)
         if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
             self._staging = [
@@ -203,12 +176,6 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerWeightTransferEngine[HCCLTr
     def abort(self) -> None:
         if self.channel is not None:
             self.channel.close()
-
-    def succeeded(self) -> None:
-        pass
-
-    def cancel(self, reason: str) -> None:
-        pass
 
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
         for _ in self.source:  # keeps this rank in the source's gather collectives

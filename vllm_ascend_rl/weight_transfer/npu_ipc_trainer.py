@@ -24,16 +24,12 @@ from collections.abc import Callable, Sequence
 from contextlib import suppress
 from dataclasses import asdict
 from itertools import cycle
-from typing import Any, Self
+from typing import Any
 
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (
-    TrainerWeightTransferEngine,
-    VLLMWeightSyncClient,
-    WeightSource,
-)
+from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
-from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError, current_device
+from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError
 from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import StepHold
@@ -56,9 +52,8 @@ from vllm_ascend_rl.weight_transfer.npu_ipc import (
 from vllm_ascend_rl.weight_transfer.trainer_side import (
     BackgroundCall,
     Pairs,
-    SyncResult,
+    TrainerTransport,
     WeightSyncError,
-    send_update,
 )
 from vllm_ascend_rl.weight_transfer.wire import (
     Verdict,
@@ -141,13 +136,13 @@ class Acceptor:
         self.listener.close()
 
 
-class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUIPCTrainerInitInfo]):
-    """Trainer side (:class:`~.trainer_side.Transport`): each rank owns its chip's ring and
-    workers' doorbells; rank 0 also drives the update and coordinates the other ranks."""
+class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerInitInfo]):
+    """Trainer side: each rank owns its chip's ring and workers' doorbells; rank 0 also drives
+    the update and coordinates the other ranks."""
 
     init_info_cls = NPUIPCTrainerInitInfo
-    alone_bytes: int | None = None  # a tensor larger than a bucket goes through the ring in pieces
-    source: WeightSource  # trainer_init requires one
+    transport = "NPU-IPC"
+    alone_bytes = None  # a tensor larger than a bucket goes through the ring in pieces
 
     def __init__(
         self,
@@ -156,40 +151,18 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
         source: WeightSource,
         init_info: NPUIPCTrainerInitInfo,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
-        self.init_info = init_info
-        # Read once, here (the current device is per thread on NPU); a CPU rank emulates a chip.
-        self.hw = current_device()
+        super().__init__(client=client, source=source, init_info=init_info)
         self.doorbells: list[Doorbell] = []  # this rank's engine workers
         self.peers: list[Doorbell] = []  # sender: the other ranks; others: the sender
         self.ring: list[ExportedBuffer] = []
         self.chip = self.hw.location()["chip"]
         self.update_id = 0
-        self.step_hold = StepHold.GATE  # the engine's, learned in the init handshake
         # Unlink and unmap the ring when this engine is collected or the trainer exits.
         self._finalizer = weakref.finalize(self, _release, self.ring)
 
-    @classmethod
-    def trainer_init(
-        cls,
-        init_info: NPUIPCTrainerInitInfo,
-        *,
-        client: VLLMWeightSyncClient,
-        source: WeightSource | None = None,
-    ) -> Self:
-        if source is None:
-            raise ValueError("NPU-IPC weight transfer needs a WeightSource (e.g. ModuleSource)")
-        engine = cls(client=client, source=source, init_info=init_info)
-        engine._connect()  # every rank: its ring's doorbell, and the sender's link
-        return engine
-
-    # vLLM's returns None: ours says what the update moved.
-    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
-        """Push the source into the engine (on every rank); ``weight_version`` tags outputs."""
-        return send_update(self, weight_version)
-
     # -- connection -------------------------------------------------------------------
-    def _connect(self) -> None:
+    def connect(self) -> None:
+        """Every rank: its ring's doorbell, its workers' hellos, and the sender's link."""
         info = self.init_info
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
@@ -259,7 +232,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerWeightTransferEngine[NPUI
             raise WeightSyncError(f"init_weight_transfer_engine failed: {init.reason}")
         sender.send(msg.Workers(count=len(acceptor.workers), step_hold=acceptor.step_hold))
 
-    # -- one update: the sender's steps (send_update) ----------------------------------
+    # -- one update: the sender's steps (TrainerTransport) ------------------------------
     def not_ready(self) -> str | None:
         if not self.doorbells and not self.peers:
             return "not connected"

@@ -1,26 +1,31 @@
-"""Trainer side both transports share: each trainer engine's ``send_weights`` is
-:func:`send_update` (start, update, finish over vLLM's ``VLLMWeightSyncClient``) driving its
-:class:`Transport`. Blocking client calls run in daemon threads (a stuck HTTP call must not keep
-the trainer alive); HTTP errors keep the server's message, which ``raise_for_status`` drops."""
+"""The trainer side both transports share: :class:`TrainerTransport` writes ``send_weights``
+(start, update, finish over vLLM's ``VLLMWeightSyncClient``) once, and each transport implements
+its steps. Blocking client calls run in daemon threads (a stuck HTTP call must not keep the
+trainer alive); HTTP errors keep the server's message, which ``raise_for_status`` drops."""
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeVar
 
 import requests
-from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
+from vllm.distributed.weight_transfer.base import (
+    TrainerWeightTransferEngine,
+    VLLMWeightSyncClient,
+    WeightSource,
+)
 
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError, error_message
+from vllm_ascend_rl.device import current_device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import StepHold
+from vllm_ascend_rl.weight_transfer import TransportError
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
-from vllm_ascend_rl.weight_transfer.channel import ChannelError
-from vllm_ascend_rl.weight_transfer.doorbell import DoorbellError
 from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
 
 if TYPE_CHECKING:
@@ -29,9 +34,10 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 Pairs = Iterator[tuple[str, Any]]
+InfoT = TypeVar("InfoT", "HCCLTrainerInitInfo", "NPUIPCTrainerInitInfo")
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(TransportError):
     """A weight sync failed; the message says which side failed and why, ``cause`` is its
     metrics code (refusals: :data:`REFUSALS`)."""
 
@@ -42,10 +48,6 @@ class WeightSyncError(RuntimeError):
 
 # Causes of a sync refused before any byte moved (the weights are the old ones).
 REFUSALS = ("refused_by_engine", "not_connected", "not_paused")
-
-
-# Failures of the connection itself (as opposed to bugs in the caller's weight source).
-TRANSPORT_ERRORS = (ChannelError, DoorbellError, WeightSyncError)
 
 
 @dataclass(frozen=True)
@@ -145,45 +147,6 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
         )
 
 
-class Transport(Protocol):
-    """One trainer engine's transport, as :func:`send_update` drives it."""
-
-    client: VLLMWeightSyncClient
-    source: WeightSource
-    is_sender: bool
-    step_hold: StepHold  # what holds the engine's steps during an update (init handshake)
-
-    @property
-    def init_info(self) -> HCCLTrainerInitInfo | NPUIPCTrainerInitInfo: ...
-
-    @property
-    def alone_bytes(self) -> int | None: ...  # see plan_for
-
-    def not_ready(self) -> str | None:
-        """Why the connection cannot carry an update now, or None."""
-
-    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
-        """The transport's update_info fields for this update."""
-
-    def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
-        """The lowest verdict of every engine worker (the update call runs in ``update``)."""
-
-    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
-        """Send ``pairs`` (``(name, tensor)`` in plan order) bucket by bucket."""
-
-    def abort(self) -> None:
-        """Give up the connection after a failure in the middle of an update."""
-
-    def succeeded(self) -> None:
-        """``finish_weight_update`` returned."""
-
-    def cancel(self, reason: str) -> None:
-        """The update was given up before any engine saw it (start_weight_update failed)."""
-
-    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """A non-sender rank's part of an update."""
-
-
 def source_specs(source: WeightSource) -> list[TensorSpec]:
     return [TensorSpec(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
 
@@ -193,83 +156,158 @@ def engine_name(client: Any) -> str:
     return f"the engine at {url}" if url else f"the engine behind {type(client).__name__}"
 
 
-def send_update(t: Transport, weight_version: str | None) -> SyncResult:
-    """Push ``t.source`` into the engine (start, update, finish); raises WeightSyncError.
-    The sending rank counts the outcome (:mod:`vllm_ascend_rl.metrics`)."""
-    labels = {"side": "trainer", "backend": t.init_info.backend}
-    try:
-        done = _send(t, weight_version)
-    except Exception as e:
-        cause = getattr(e, "cause", "source") if t.is_sender else None
-        if cause:
-            result = "refused" if cause in REFUSALS else "failed"
-            metrics.record({"weight_updates": 1}, **labels, result=result, cause=cause)
-        if isinstance(e, WeightSyncError):
-            raise WeightSyncError(f"weight sync to {engine_name(t.client)}: {e}", e.cause) from e
-        raise
-    if t.is_sender:
-        metrics.record({"weight_updates": 1}, **labels, result="ok", cause="")
-        moved = {"weight_update_bytes": done.bytes, "weight_update_transport_seconds": done.seconds}
-        metrics.record(moved, **labels)
-    return done
+class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
+    """A trainer engine: ``send_weights`` is written here once; a transport implements the
+    steps below it. Every trainer rank calls ``trainer_init`` and ``send_weights``; the sender
+    (rank 0) drives the update and counts its outcome (:mod:`vllm_ascend_rl.metrics`)."""
 
+    transport: ClassVar[str]  # for messages: "HCCL", "NPU-IPC"
+    alone_bytes: ClassVar[int | None]  # see plan_for
+    source: WeightSource  # trainer_init refuses a missing source
 
-def _send(t: Transport, weight_version: str | None) -> SyncResult:
-    specs = source_specs(t.source)
-    plan = plan_for(t.init_info, specs, t.alone_bytes)
-    if not t.is_sender:
-        t.follow(specs, plan)
-        return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
-    reason = t.not_ready()
-    if reason:
-        raise WeightSyncError(
-            f"weight transfer is not usable ({reason}): call trainer_init again", "not_connected"
-        )
-    started = time.perf_counter()
-    nbytes, timeout_s = total_bytes(specs), t.init_info.timeout_s
-    try:
-        payload = t.payload(specs, plan)  # before the engine opens an update
-    except TRANSPORT_ERRORS as e:
-        t.abort()
-        raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
-    if weight_version is not None:
-        payload["weight_version"] = weight_version
-    if t.step_hold is not StepHold.GATE:
-        require_paused(t.client, t.step_hold)
-    update = _open_update(t, plan, payload)
-    try:
-        t.send(plan, iter(t.source), update)
-        update.result(timeout_s)
-    except BaseException as e:
-        t.abort()  # the engine notices at once instead of after its timeout
-        if not isinstance(e, TRANSPORT_ERRORS):
+    def __init__(
+        self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: InfoT
+    ) -> None:
+        super().__init__(client=client, source=source, is_sender=init_info.is_sender)
+        self.init_info: InfoT = init_info
+        # Read once, here: on NPU the current device is per thread, and the rendezvous and
+        # the HTTP calls run on helper threads. A CPU trainer rank emulates its own chip.
+        self.hw = current_device()
+        self.step_hold = StepHold.GATE  # what holds the engine's steps (init handshake)
+
+    @classmethod
+    def trainer_init(
+        cls,
+        init_info: InfoT,
+        *,
+        client: VLLMWeightSyncClient,
+        source: WeightSource | None = None,
+    ) -> Self:
+        if source is None:
+            raise ValueError(
+                f"{cls.transport} weight transfer needs a WeightSource (e.g. ModuleSource)"
+            )
+        engine = cls(client=client, source=source, init_info=init_info)
+        engine.connect()
+        return engine
+
+    # vLLM's returns None: ours says what the update moved.
+    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
+        """Push the source into the engine (start, update, finish); ``weight_version`` tags
+        later outputs. Raises WeightSyncError."""
+        labels = {"side": "trainer", "backend": self.init_info.backend}
+        try:
+            done = self._send(weight_version)
+        except Exception as e:
+            cause = getattr(e, "cause", "source") if self.is_sender else None
+            if cause:
+                result = "refused" if cause in REFUSALS else "failed"
+                metrics.record({"weight_updates": 1}, **labels, result=result, cause=cause)
+            if isinstance(e, WeightSyncError):
+                where = engine_name(self.client)
+                raise WeightSyncError(f"weight sync to {where}: {e}", e.cause) from e
             raise
-        reason = update.failure(min(timeout_s, 30.0))
-        raise WeightSyncError(f"weight transfer failed: {reason or e}", "transfer") from e
-    call("finish_weight_update", t.client.finish_weight_update, weight_version)
-    t.succeeded()
-    return SyncResult(nbytes, time.perf_counter() - started, len(specs), len(plan), weight_version)
+        if self.is_sender:
+            metrics.record({"weight_updates": 1}, **labels, result="ok", cause="")
+            moved = {
+                "weight_update_bytes": done.bytes,
+                "weight_update_transport_seconds": done.seconds,
+            }
+            metrics.record(moved, **labels)
+        return done
 
+    def _send(self, weight_version: str | None) -> SyncResult:
+        specs = source_specs(self.source)
+        plan = plan_for(self.init_info, specs, self.alone_bytes)
+        if not self.is_sender:
+            self.follow(specs, plan)
+            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
+        reason = self.not_ready()
+        if reason:
+            raise WeightSyncError(
+                f"weight transfer is not usable ({reason}): call trainer_init again",
+                "not_connected",
+            )
+        started = time.perf_counter()
+        nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
+        try:
+            payload = self.payload(specs, plan)  # before the engine opens an update
+        except TransportError as e:
+            self.abort()
+            raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        if self.step_hold is not StepHold.GATE:
+            require_paused(self.client, self.step_hold)
+        update = self._open_update(plan, payload)
+        try:
+            self.send(plan, iter(self.source), update)
+            update.result(timeout_s)
+        except BaseException as e:
+            self.abort()  # the engine notices at once instead of after its timeout
+            if not isinstance(e, TransportError):
+                raise
+            reason = update.failure(min(timeout_s, 30.0))
+            raise WeightSyncError(f"weight transfer failed: {reason or e}", "transfer") from e
+        call("finish_weight_update", self.client.finish_weight_update, weight_version)
+        self.succeeded()
+        seconds = time.perf_counter() - started
+        return SyncResult(nbytes, seconds, len(specs), len(plan), weight_version)
 
-def _open_update(t: Transport, plan: list[Bucket], payload: dict) -> BackgroundCall:
-    """start_weight_update, then update_weights (in the background) and the handshake."""
-    try:
-        start_update(t.client)
-    except WeightSyncError as e:
-        t.cancel(str(e))
-        raise
-    update = BackgroundCall("update_weights", t.client.update_weights, payload)
-    try:
-        verdict = t.agree(plan, update)
-    except TRANSPORT_ERRORS as e:
-        t.abort()
-        raise WeightSyncError(
-            f"update handshake failed: {update.failure(5) or e}", "transfer"
-        ) from e
-    if verdict != Verdict.GO:  # refused before any byte moved; the connection stays usable
-        reason = update.failure(t.init_info.timeout_s)
-        raise WeightSyncError(f"engine refused the update: {reason}", "refused_by_engine")
-    return update
+    def _open_update(self, plan: list[Bucket], payload: dict) -> BackgroundCall:
+        """start_weight_update, then update_weights (in the background) and the handshake."""
+        try:
+            start_update(self.client)
+        except WeightSyncError as e:
+            self.cancel(str(e))
+            raise
+        update = BackgroundCall("update_weights", self.client.update_weights, payload)
+        try:
+            verdict = self.agree(plan, update)
+        except TransportError as e:
+            self.abort()
+            raise WeightSyncError(
+                f"update handshake failed: {update.failure(5) or e}", "transfer"
+            ) from e
+        if verdict != Verdict.GO:  # refused before any byte moved; the connection stays usable
+            reason = update.failure(self.init_info.timeout_s)
+            raise WeightSyncError(f"engine refused the update: {reason}", "refused_by_engine")
+        return update
+
+    # -- the transport's steps ----------------------------------------------------------
+    @abstractmethod
+    def connect(self) -> None:
+        """At ``trainer_init``, on every rank: connect to the engine and learn its step hold."""
+
+    @abstractmethod
+    def not_ready(self) -> str | None:
+        """Why the connection cannot carry an update now, or None."""
+
+    @abstractmethod
+    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
+        """The transport's update_info fields for this update."""
+
+    @abstractmethod
+    def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
+        """The lowest verdict of every engine worker (the update call runs in ``update``)."""
+
+    @abstractmethod
+    def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
+        """Send ``pairs`` (``(name, tensor)`` in plan order) bucket by bucket."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up the connection after a failure in the middle of an update."""
+
+    @abstractmethod
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+        """A non-sender rank's part of an update."""
+
+    def succeeded(self) -> None:
+        """``finish_weight_update`` returned."""
+
+    def cancel(self, reason: str) -> None:
+        """The update was given up before any engine saw it (start_weight_update failed)."""
 
 
 UNHELD = {
