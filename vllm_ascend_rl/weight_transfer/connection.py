@@ -128,7 +128,7 @@ class Connection(Generic[L]):
     def claim(self, trainer: str, timeout_s: float) -> None:
         """At init: refuse (ValueError, nothing changed) if another trainer owns the channel;
         else close the current link and make ``trainer`` the owner, CONNECTING."""
-        self._check_peer()
+        self._check_deadline_and_peer()
         live = self.state in (ConnState.CONNECTING, ConnState.UP)
         if live and self.trainer != _named(trainer):
             raise ValueError(
@@ -150,7 +150,7 @@ class Connection(Generic[L]):
 
     def link(self) -> L:
         """The owner's link, for a call that needs it; NotConnected, at once, saying why not."""
-        self._check_peer()
+        self._check_deadline_and_peer()
         if self._link is not None:
             return self._link
         if self.state is ConnState.NONE:
@@ -177,7 +177,7 @@ class Connection(Generic[L]):
                 "update through it"
             )
 
-    def _check_peer(self) -> None:
+    def _check_deadline_and_peer(self) -> None:
         """What time and the trainer say now: an init past its deadline failed, and a
         trainer that left is released."""
         if self.state is ConnState.CONNECTING and time.monotonic() >= self.deadline:
@@ -218,7 +218,7 @@ class Connection(Generic[L]):
             with self.lock:
                 if self._thread is not threading.current_thread() or self.state is not C.UP:
                     return
-                self._check_peer()
+                self._check_deadline_and_peer()
 
     def _settle(self, connect: Callable[[float], L]) -> None:
         """Connect, then fire the outcome, unless the init expired or a newer one replaced it
@@ -228,13 +228,13 @@ class Connection(Generic[L]):
             link = connect(self.deadline)
         except Exception as e:
             with self.lock:
-                self._check_peer()  # past the deadline the init failed by expiring
+                self._check_deadline_and_peer()  # past the deadline the init failed by expiring
                 if self._thread is threading.current_thread() and self.state is C.CONNECTING:
                     self._fire(ConnEvent.FAIL, f"{type(e).__name__}: {e}")
                     logger.error("weight transfer init failed: %s", self.describe())
             raise
         with self.lock:
-            self._check_peer()
+            self._check_deadline_and_peer()
             if self._thread is not threading.current_thread() or self.state is not C.CONNECTING:
                 link.close()
                 raise NotConnected(f"this init is over: {self.describe()}")
