@@ -4,8 +4,7 @@ from disk set it. vLLM's workers and vllm-ascend's ``NPUWorker`` (``worker.py:71
 182b75e) give the weight-transfer engine ``model_runner.get_model()``, the object the worker
 reads it from too. Neither ``core`` nor ``weight_transfer`` imports the other: both meet here.
 
-The plugin scheduler asks in two ways. At every resume, over the engine core's
-``collective_rpc`` (:func:`engine_unready`). At every step, from a :class:`StepGate`: each
+The plugin scheduler learns it from a :class:`StepGate`, at every step and every resume: each
 worker announces its readiness when it changes, as a line on a Unix stream socket in Linux's
 abstract namespace that the scheduler listens on (no file to clean up), sent before the call
 that changed it returns to the engine core. The engine core runs those calls and the steps on one
@@ -103,7 +102,12 @@ class ModelReadiness:
         scheduler is created after the workers); a gate that is not there gates nothing."""
         if self._gate is None:
             return
-        news = {"worker": self._gate[1], "reason": self.reason, "idle_s": min(self.idle_s, 1e9)}
+        news = {
+            "worker": self._gate[1],
+            "reason": self.reason,
+            "idle_s": min(self.idle_s, 1e9),
+            "updating": self.state is Readiness.UPDATING,
+        }
         for _attempt in range(2):  # a link the gate closed is made again once
             link = self._link if self._linked() else None
             if link is None:
@@ -130,24 +134,16 @@ def worker_readiness(worker: Any) -> ModelReadiness:
     return readiness_of(worker.model_runner.get_model())
 
 
-def model_unready(worker: Any) -> str | None:
-    """Run on a worker: why generation must not resume, or None. An open update does not
-    refuse a resume: the step gate holds the steps until it ends (or is abandoned)."""
-    readiness = worker_readiness(worker)
-    return None if readiness.state is Readiness.UPDATING else readiness.reason
-
-
-def engine_unready(engine_core: Any) -> str | None:
-    """Why ``engine_core`` must not generate now, or None: its executor's memory is not all
-    resident (a sleep, or vLLM 0.32's ``release_kv_cache_memory``), or some worker's model is
-    not ready (asked over the engine core's own ``collective_rpc``)."""
+def memory_not_resident(engine_core: Any) -> str | None:
+    """Why ``engine_core`` must not generate on its memory now, or None: its executor's memory
+    is not all resident (a sleep, or vLLM 0.32's ``release_kv_cache_memory``)."""
     executor = engine_core.model_executor
-    if executor.is_sleeping:
-        return (
-            f"memory is not resident ({', '.join(sorted(executor.sleeping_tags))} released), "
-            "and a step would run on it; call /wake_up first"
-        )
-    return next(filter(None, executor.collective_rpc(model_unready)), None)
+    if not executor.is_sleeping:
+        return None
+    return (
+        f"memory is not resident ({', '.join(sorted(executor.sleeping_tags))} released), "
+        "and a step would run on it; call /wake_up first"
+    )
 
 
 def end_abandoned_update(worker: Any) -> None:
@@ -185,16 +181,23 @@ class StepGate:
                 f"{vllm_config.parallel_config.data_parallel_index}) holds it"
             ) from e
         self.links: dict[socket.socket, bytes] = {}  # a worker's connection -> partial line
-        self.unready: dict[int, tuple[str, float]] = {}  # worker -> (reason, idle deadline)
+        # worker -> (reason, idle deadline, whether it is an open update)
+        self.unready: dict[int, tuple[str, float, bool]] = {}
 
     def reason(self) -> str | None:
         """Why no step may run now (as last read), or None."""
         return next(iter(self.unready.values()))[0] if self.unready else None
 
+    def resume_refusal(self) -> str | None:
+        """Why generation must not resume: some worker's model is not whole (read now). An
+        open update does not refuse a resume: the gate holds the steps until it ends."""
+        self.drain()
+        return next((why for why, _, updating in self.unready.values() if not updating), None)
+
     def idle_past_bound(self) -> bool:
         """Some worker's open update saw no call for its idle bound."""
         now = time.monotonic()
-        return any(deadline <= now for _, deadline in self.unready.values())
+        return any(deadline <= now for _, deadline, _ in self.unready.values())
 
     def drain(self, wait_s: float = 0.0) -> bool:
         """Read every announcement waiting, first waiting up to ``wait_s`` for one while
@@ -238,5 +241,6 @@ class StepGate:
         if news["reason"] is None:
             self.unready.pop(news["worker"], None)
             return False
-        self.unready[news["worker"]] = (news["reason"], time.monotonic() + news["idle_s"])
+        deadline = time.monotonic() + news["idle_s"]
+        self.unready[news["worker"]] = (news["reason"], deadline, news["updating"])
         return True

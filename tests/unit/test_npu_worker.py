@@ -79,6 +79,7 @@ def _config(enable_sleep_mode: bool = False):
     return types.SimpleNamespace(
         model_config=types.SimpleNamespace(enable_sleep_mode=enable_sleep_mode),
         parallel_config=types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0),
+        instance_id="npu-worker-test",  # no engine core listens: its step gate is not there
     )
 
 

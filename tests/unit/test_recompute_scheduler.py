@@ -188,6 +188,21 @@ def test_weights_not_whole_hold_steps_until_a_complete_update(harness):
     assert scheduled(harness.step()[0]) == {req.request_id: 40 + 1}
 
 
+def test_a_resume_waits_for_a_model_the_gate_was_told_is_not_whole(harness):
+    """The step gate answers a resume too, with no call to the workers: a model that is not
+    whole refuses it, an open update does not (the gate holds the steps until it ends)."""
+    sched = harness.scheduler
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    worker = announced(harness)
+    worker.set(Readiness.NOT_WHOLE, "a hold update failed")
+    with pytest.raises(RuntimeError, match="refusing to resume generation: a hold update failed"):
+        sched.set_pause_state(PauseState.UNPAUSED)
+    assert sched.pause_state == PauseState.PAUSED_NEW
+    worker.set(Readiness.UPDATING, idle_s=60)
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert sched.pause_state == PauseState.UNPAUSED
+
+
 @pytest.mark.timeout(60)
 def test_sixteen_workers_announcing_many_changes_between_two_reads(harness):
     """An engine core busy in one long call reads nothing meanwhile: announcements queue up

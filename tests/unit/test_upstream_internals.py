@@ -232,13 +232,13 @@ def test_engine_core_calls():
 
 
 def test_executor_sleeping_tags():
-    """readiness.engine_unready refuses a resume while the executor's ``is_sleeping``: vLLM's
+    """readiness.memory_not_resident refuses a resume while the executor's ``is_sleeping``: vLLM's
     Executor keeps it and ``sleeping_tags`` through sleep, partial wakes and (0.32)
     ``discard``, which ``release_kv_cache_memory`` calls."""
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.abstract import Executor
 
-    where = "readiness.py (engine_unready) reads it at every resume"
+    where = "readiness.py (memory_not_resident) reads it at every resume"
 
     class Recording(Executor):  # STAND-IN workers: vLLM's own Executor methods run
         def _init_executor(self) -> None: ...
@@ -275,9 +275,9 @@ def test_model_executor():
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.serial_utils import run_method
 
-    from vllm_ascend_rl.readiness import end_abandoned_update, model_unready
+    from vllm_ascend_rl.readiness import end_abandoned_update
 
-    where = "readiness.py (engine_unready) asks the workers at every resume"
+    where = "the scheduler ends an update left idle past its bound over it (readiness.py)"
     assert assigns(EngineCore.__init__, "model_executor"), (
         f"vLLM's EngineCore no longer keeps its executor in self.model_executor: {where}"
     )
@@ -288,8 +288,7 @@ def test_model_executor():
 
     model = torch.nn.Linear(2, 2)  # STAND-IN worker: a model runner holding a model
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
-    methods = (model_unready, end_abandoned_update)
-    for method in (*methods, *map(cloudpickle.dumps, methods)):
+    for method in (end_abandoned_update, cloudpickle.dumps(end_abandoned_update)):
         assert run_method(worker, method, (), {}) is None, (
             f"vLLM's workers no longer run a function sent through collective_rpc: {where}"
         )
@@ -567,7 +566,7 @@ def test_worker_attributes():
     )
     assert callable(getattr(GPUModelRunner, "get_model", None)), (
         "vLLM's model runner lost get_model(): device/cpu/worker.py, worker/npu_worker.py "
-        "and readiness.py (model_unready) reach the model through it"
+        "and readiness.py (worker_readiness) reach the model through it"
     )
 
 

@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.readiness import StepGate, end_abandoned_update, engine_unready
+from vllm_ascend_rl.readiness import StepGate, end_abandoned_update, memory_not_resident
 
 logger = get_logger(__name__)
 
@@ -220,14 +220,14 @@ class RecomputeScheduler(Scheduler):
                     before.name,
                 )
             return before
-        refusal = None
         if self._asleep is not None:  # also a sleep still waiting for its pause, or failed
-            refusal = (
+            refusal: str | None = (
                 "the engine was put to sleep, and a step would run on memory that is not "
                 "resident; call /wake_up first (also after a /sleep that failed)"
             )
-        elif call.engine_core is not None:
-            refusal = engine_unready(call.engine_core)
+        else:
+            core = call.engine_core
+            refusal = (memory_not_resident(core) if core else None) or self.gate.resume_refusal()
         if refusal is not None:
             raise RuntimeError(
                 f"refusing to resume generation: {refusal}. The pause stays in force and "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING, Any
 
+from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, worker_readiness
 from vllm_ascend_rl.weight_transfer.connection import NotOwner
 from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
@@ -21,7 +22,6 @@ def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
 
     from vllm_ascend_rl import metrics, register
     from vllm_ascend_rl._registration import CAMEM_BACKEND
-    from vllm_ascend_rl.device import worker_index
 
     register()  # a no-op where vLLM's plugin loading already ran it
     metrics.engine_worker(worker.vllm_config, worker_index(worker.vllm_config.parallel_config))
@@ -70,7 +70,11 @@ class SleepableMixin(StartupAddressLedger):
 
     @property
     def readiness(self) -> ModelReadiness:
-        return worker_readiness(self)
+        """The model's readiness; its changes reach the step gate, with or without a
+        weight-transfer engine."""
+        readiness = worker_readiness(self)
+        readiness.announce_to(self.vllm_config, worker_index(self.vllm_config.parallel_config))
+        return readiness
 
     @staticmethod
     def check_sleep_level(level: int) -> None:
