@@ -189,9 +189,8 @@ class StepGate:
         return next(iter(self.unready.values()))[0] if self.unready else None
 
     def resume_refusal(self) -> str | None:
-        """Why generation must not resume: some worker's model is not whole (read now). An
+        """Why generation must not resume: some worker's model is not whole (as last read). An
         open update does not refuse a resume: the gate holds the steps until it ends."""
-        self.drain()
         return next((why for why, _, updating in self.unready.values() if not updating), None)
 
     def idle_past_bound(self) -> bool:

@@ -226,6 +226,7 @@ class RecomputeScheduler(Scheduler):
                 "resident; call /wake_up first (also after a /sleep that failed)"
             )
         else:
+            self._read_step_gate()  # the workers' news, read as every step reads it
             core = call.engine_core
             refusal = (memory_not_resident(core) if core else None) or self.gate.resume_refusal()
         if refusal is not None:
