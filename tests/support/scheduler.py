@@ -8,7 +8,6 @@ that finished its prefill).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from pathlib import Path
 
@@ -25,6 +24,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.support.tiny_model import TinyModelSpec, build_tiny_model
+from tests.support.vllm_features import runner_output_takes_index
+from vllm_ascend_rl.readiness import ModelReadiness
 
 
 class SchedulerHarness:
@@ -133,6 +134,14 @@ def fake_model_output(
         done_prefill = req is not None and not req.is_prefill_chunk
         sampled.append([token] if done_prefill else [])
     index = {}
-    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:  # not 0.34
+    if runner_output_takes_index():
         index["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
     return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, **index)
+
+
+def announced(harness: SchedulerHarness, worker: int = 0) -> ModelReadiness:
+    """A worker's readiness, announced to the harness scheduler's step gate over the real
+    socket, as a weight-transfer engine announces it."""
+    readiness = ModelReadiness()
+    readiness.announce_to(harness.vllm_config, worker)
+    return readiness

@@ -1,5 +1,5 @@
-"""What the vLLM releases under test (0.30 and 0.32) serve, detected by feature, never by
-version: tests skip or branch on these. The package's own differences are in
+"""What the vLLM releases under test (0.30 and 0.32, and the canary's newest) serve, detected
+by feature, never by version: tests skip or branch on these. The package's own differences are in
 :mod:`vllm_ascend_rl.compat`."""
 
 from __future__ import annotations
@@ -59,3 +59,12 @@ def has_weight_version_spans() -> bool:
     from vllm.entrypoints.scale_out.token_in_token_out import protocol
 
     return hasattr(protocol, "WeightVersionSpan")
+
+
+def runner_output_takes_index() -> bool:
+    """Whether vLLM's ``ModelRunnerOutput`` takes ``req_id_to_index`` (gone in 0.34)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}

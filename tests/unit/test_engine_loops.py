@@ -23,9 +23,9 @@ from vllm.v1.engine.core import DPEngineCoreProc, EngineCore
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 from tests.support import free_port
-from tests.support.scheduler import SchedulerHarness, fake_model_output
+from tests.support.scheduler import SchedulerHarness, announced, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
-from vllm_ascend_rl.readiness import ModelReadiness, Readiness
+from vllm_ascend_rl.readiness import Readiness
 
 
 class StandInExecutor:
@@ -77,12 +77,6 @@ def skeleton(cls: type, harness: SchedulerHarness) -> Any:
     core._deferred_inputs = collections.deque()  # vLLM 0.34: inputs held for the next step
     core._weight_version = None
     return core
-
-
-def announced(harness: SchedulerHarness, worker: int = 0) -> ModelReadiness:
-    readiness = ModelReadiness()
-    readiness.announce_to(harness.vllm_config, worker)
-    return readiness
 
 
 # -- data parallel (MoE): DPEngineCoreProc's loop ------------------------------------------

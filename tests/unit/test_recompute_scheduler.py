@@ -16,9 +16,9 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from tests.support.scheduler import SchedulerHarness, fake_model_output
+from tests.support.scheduler import SchedulerHarness, announced, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
-from vllm_ascend_rl.readiness import ModelReadiness, Readiness, readiness_of
+from vllm_ascend_rl.readiness import Readiness, readiness_of
 
 OURS = [RecomputeScheduler, AsyncRecomputeScheduler]
 UPSTREAM_OF = {RecomputeScheduler: Scheduler, AsyncRecomputeScheduler: AsyncScheduler}
@@ -89,14 +89,6 @@ def test_paused_all_schedules_nothing_and_keeps_kv(harness):
     sched.set_pause_state(PauseState.UNPAUSED)
     out, _ = harness.step()
     assert scheduled(out) == {running.request_id: 1, queued.request_id: 24}
-
-
-def announced(harness, worker: int = 0) -> ModelReadiness:
-    """A worker's readiness, announced to the harness scheduler's step gate over the real
-    socket, as a weight-transfer engine announces it."""
-    readiness = ModelReadiness()
-    readiness.announce_to(harness.vllm_config, worker)
-    return readiness
 
 
 def test_each_data_parallel_engine_core_has_a_gate_of_its_own(tiny_model):
