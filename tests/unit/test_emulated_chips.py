@@ -11,22 +11,59 @@ start-up from it as vllm-ascend's does, so servers that start together on one ch
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import io
+import multiprocessing
+import multiprocessing.context
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import traceback
+from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 import pytest
 
 
-def run(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+class Outcome(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str  # the traceback, if the code raised
+
+
+def _exec(code: str, reply: Connection) -> None:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(code, {})
+        reply.send(Outcome(0, out.getvalue(), ""))
+    except BaseException:
+        reply.send(Outcome(1, out.getvalue(), traceback.format_exc()))
+
+
+@functools.cache
+def fresh_processes() -> multiprocessing.context.ForkServerContext:
+    """Processes forked from a server that imported the modules under test (a vLLM import
+    costs seconds) and touched no chip: each starts as a new process would."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["vllm_ascend_rl.sleep.backend", "vllm_ascend_rl.device.cpu"])
+    return context
+
+
+def run(code: str) -> Outcome:
+    """Run ``code`` in a fresh process."""
+    context = fresh_processes()
+    mine, theirs = context.Pipe(duplex=False)
+    proc = context.Process(target=_exec, args=(textwrap.dedent(code), theirs))
+    proc.start()
+    try:
+        assert mine.poll(120), "the fresh process did not answer within 120 s"
+        return mine.recv()
+    finally:
+        proc.join(10)
 
 
 def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():
