@@ -2,8 +2,8 @@
 
 One chip per engine worker (N1): a worker process owns one emulated chip, its sleep allocator
 serves that chip, and touching another chip is an error, as an NPU worker that used chip 0
-would pool nothing on its own chip. Each such case runs in a fresh process: the chip a
-process serves is process-wide.
+would pool nothing on its own chip. Each such case runs in a fresh process (``run_fresh``):
+the chip a process serves is process-wide.
 
 Device-wide memory (N7): every process on a chip shares its memory, and a worker sizes its
 start-up from it as vllm-ascend's does, so servers that start together on one chip fail.
@@ -11,59 +11,14 @@ start-up from it as vllm-ascend's does, so servers that start together on one ch
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import io
-import multiprocessing
-import multiprocessing.context
 import os
 import signal
 import subprocess
 import sys
-import textwrap
-import traceback
-from multiprocessing.connection import Connection
-from typing import NamedTuple
 
 import pytest
 
-
-class Outcome(NamedTuple):
-    returncode: int
-    stdout: str
-    stderr: str  # the traceback, if the code raised
-
-
-def _exec(code: str, reply: Connection) -> None:
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            exec(code, {})
-        reply.send(Outcome(0, out.getvalue(), ""))
-    except BaseException:
-        reply.send(Outcome(1, out.getvalue(), traceback.format_exc()))
-
-
-@functools.cache
-def fresh_processes() -> multiprocessing.context.ForkServerContext:
-    """Processes forked from a server that imported the modules under test (a vLLM import
-    costs seconds) and touched no chip: each starts as a new process would."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["vllm_ascend_rl.sleep.backend", "vllm_ascend_rl.device.cpu"])
-    return context
-
-
-def run(code: str) -> Outcome:
-    """Run ``code`` in a fresh process."""
-    context = fresh_processes()
-    mine, theirs = context.Pipe(duplex=False)
-    proc = context.Process(target=_exec, args=(textwrap.dedent(code), theirs))
-    proc.start()
-    try:
-        assert mine.poll(120), "the fresh process did not answer within 120 s"
-        return mine.recv()
-    finally:
-        proc.join(10)
+from tests.support.fresh_process import run_fresh as run
 
 
 def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support.fresh_process import run_fresh
 from tests.support.standin_vllm_ascend import (
     ENTRY_POINT,
     THEIR_NAMES,
@@ -37,12 +36,13 @@ OURS = {
     ("SleepModeBackendFactory", CAMEM_BACKEND): "vllm_ascend_rl.sleep.backend.CaMemSleepBackend",
 }
 
-# Runs in a fresh interpreter: put the stand-in first or last on sys.path, let vLLM load every
+# Runs in a fresh process: put the stand-in first or last on sys.path, let vLLM load every
 # general plugin exactly as it does in a server process, and report who owns which name.
 PROBE = textwrap.dedent(
     """
-    import json, sys
-    standin, order = sys.argv[1], sys.argv[2]
+    import json, os, sys
+    os.environ.pop("VLLM_PLUGINS", None)
+    standin, order = STANDIN, ORDER
     if order == "last":
         sys.path.append(standin)
     else:
@@ -74,16 +74,9 @@ PROBE = textwrap.dedent(
 
 
 def _probe(standin, order: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
-    r = subprocess.run(
-        [sys.executable, "-c", PROBE, str(standin), order],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, f"plugin loading failed ({order}):\n{r.stderr[-3000:]}"
-    line = next(x for x in r.stdout.splitlines() if x.startswith("@@"))
+    out = run_fresh(PROBE.replace("STANDIN", repr(str(standin))).replace("ORDER", repr(order)))
+    assert out.returncode == 0, f"plugin loading failed ({order}):\n{out.stderr[-3000:]}"
+    line = next(x for x in out.stdout.splitlines() if x.startswith("@@"))
     return json.loads(line[2:])
 
 
@@ -102,8 +95,7 @@ def standin(tmp_path_factory):
 @pytest.fixture(scope="module")
 def probes(standin) -> dict[str, dict]:
     orders = ("first", "last", "trainer")
-    with ThreadPoolExecutor(len(orders)) as pool:  # three interpreters importing vLLM
-        return dict(zip(orders, pool.map(lambda o: _probe(standin, o), orders), strict=True))
+    return {order: _probe(standin, order) for order in orders}
 
 
 @needs_standin
