@@ -118,7 +118,8 @@ def test_npu_ipc_ring_slots_are_bucket_sized_for_a_larger_tensor(zero_copy):
         rank=0, packed_buffer_size_bytes=BUCKET, packed_num_buffers=BUFFERS
     )
     listener, trainer_side, engine_side = doorbell_pair(20)
-    trainer.hw, trainer.ring, trainer.peers = get_device("cpu"), [], []
+    trainer.hw, trainer.ring, trainer.group = get_device("cpu"), [], None
+    trainer.is_sender, trainer.connected, trainer.update_id = True, True, 0
     trainer.doorbells = [trainer_side]
     info = AscendRLNPUIPCWeightTransferInitInfo(
         doorbells={"chip": listener.address},

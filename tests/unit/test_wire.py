@@ -165,7 +165,8 @@ def test_an_npu_ipc_worker_whose_plan_differs_is_refused_at_once_and_keeps_its_d
     trainer = object.__new__(AscendRLNPUIPCTrainerWeightTransferEngine)
     trainer.init_info = NPUIPCTrainerInitInfo(rank=0, packed_buffer_size_bytes=16384)
     listener, trainer_end, engine_end = doorbell_pair(5.0)
-    trainer.hw, trainer.ring, trainer.peers, trainer.update_id = get_device("cpu"), [], [], 1
+    trainer.hw, trainer.ring, trainer.group, trainer.update_id = get_device("cpu"), [], None, 1
+    trainer.is_sender, trainer.connected = True, True
     trainer.doorbells = [trainer_end]
     info = AscendRLNPUIPCWeightTransferInitInfo(
         doorbells={"chip": listener.address}, packed_buffer_size_bytes=16384

@@ -99,12 +99,6 @@ class Doorbell:
             self._break(f"{what}: the {self.peer} aborted: {msg.reason}")
         return msg
 
-    def pending(self, what: str) -> Message | None:
-        """The next message if one has already arrived (never waits), else None."""
-        if b"\n" not in self._buf and not self._readable(0):
-            return None
-        return self.recv(what)
-
     def _readable(self, wait_s: float) -> bool:
         return bool(select.select([self.sock], [], [], wait_s)[0])
 

@@ -1,10 +1,11 @@
-"""The NPU-IPC doorbell's messages, one JSON line each, tagged by ``kind`` (the protocol:
-``npu_ipc_trainer.py``). ``id`` is the update's id, or the bucket's index in ``bucket`` and
-``done``; ``reason`` says why a side refused or gave up (None: it did not)."""
+"""The NPU-IPC doorbell's messages between a trainer rank and its chip's engine workers, one
+JSON line each, tagged by ``kind`` (the protocol: ``npu_ipc_trainer.py``). ``id`` is the
+update's id, or the bucket's index in ``bucket`` and ``done``; ``reason`` says why a side
+refused or gave up (None: it did not)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeAlias
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -23,40 +24,12 @@ class Hello(_Strict):  # engine worker -> its chip's rank, on connecting
     step_hold: int  # readiness.StepHold
 
 
-class Welcome(_Strict):  # rank -> worker, or sender -> another rank: the answer to its hello
+class Welcome(_Strict):  # rank -> worker: the answer to its hello
     kind: Literal["welcome"] = "welcome"
     reason: str | None = None
 
 
-class Peer(_Strict):  # another rank -> the sender, on connecting
-    kind: Literal["peer"] = "peer"
-    rank: int
-
-
-class Init(_Strict):  # sender -> the other ranks: the engine's init returned
-    kind: Literal["init"] = "init"
-    reason: str | None = None
-
-
-class Workers(_Strict):  # another rank -> the sender: the engine workers it welcomed
-    kind: Literal["workers"] = "workers"
-    count: int
-    step_hold: int  # the lowest of theirs (readiness.StepHold)
-
-
-class Update(_Strict):  # sender -> the other ranks: an update begins
-    kind: Literal["update"] = "update"
-    id: int
-
-
-class Ring(_Strict):  # another rank -> the sender: its ring's handles
-    kind: Literal["ring"] = "ring"
-    id: int
-    chip: str
-    handles: list[dict[str, Any]]
-
-
-class Ready(_Strict):  # worker -> its rank, another rank -> the sender: its (workers') verdict
+class Ready(_Strict):  # worker -> its rank: its verdict
     kind: Literal["ready"] = "ready"
     id: int
     verdict: Verdict
@@ -64,7 +37,7 @@ class Ready(_Strict):  # worker -> its rank, another rank -> the sender: its (wo
     plan: int | None = None  # a worker's plan_signature
 
 
-class Go(_Strict):  # sender -> the other ranks, each rank -> its workers: the lowest verdict
+class Go(_Strict):  # rank -> its workers: every worker's lowest verdict
     kind: Literal["go"] = "go"
     id: int
     verdict: Verdict
@@ -81,23 +54,10 @@ class Done(_Strict):  # worker -> its rank: it took that piece out; the slot is 
     id: int
 
 
-class Sent(_Strict):  # another rank -> the sender: it streamed the update to its workers
-    kind: Literal["sent"] = "sent"
-    id: int
-
-
-class Cancel(_Strict):  # sender -> the other ranks: the update ends before any worker saw it
-    kind: Literal["cancel"] = "cancel"
-    id: int
-    reason: str
-
-
-class Abort(_Strict):  # a trainer rank -> all it talks to: it gives up the connection
+class Abort(_Strict):  # rank -> its workers: it gives up the connection
     kind: Literal["abort"] = "abort"
     reason: str
 
 
-_Connecting: TypeAlias = Hello | Welcome | Peer | Init | Workers
-_Updating: TypeAlias = Update | Ring | Ready | Go | Filled | Done | Sent | Cancel | Abort
-Message: TypeAlias = _Connecting | _Updating
+Message: TypeAlias = Hello | Welcome | Ready | Go | Filled | Done | Abort
 MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])

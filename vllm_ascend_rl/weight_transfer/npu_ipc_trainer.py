@@ -1,28 +1,28 @@
 """NPU-IPC weight transfer, trainer side (engine side: ``npu_ipc.py``).
 
-Each trainer rank exports a ring on its chip and listens on a doorbell. ``trainer_init`` gathers
-the ranks' chips and doorbells once (over ``torch.distributed``'s default group, as vLLM's IPC
-trainer does) and gives the engine ``{chip: doorbell}``. Workers connect to their chip's rank,
-ranks to the sender; updates go over those links, never a collective a dead peer could hang::
+Each trainer rank exports a ring on its chip and listens on a doorbell, to which its chip's
+engine workers connect. The ranks agree among themselves over a gloo group of their own, made
+at ``trainer_init`` over ``torch.distributed``'s default group (as vLLM's IPC trainer gathers
+its handles), and each rank talks only to its own workers. One update::
 
-    sender -> ranks    update i           ranks -> sender   ring i (this rank's handles)
-    sender -> engine   update_weights({chip: handles})
-    workers -> their rank: ready i        ranks -> sender   ready i (their workers' verdict)
-    sender -> ranks    go i (everyone's verdict), each rank -> its workers: go i
-    each rank packs every bucket into its own ring and rings its own workers
-    ranks -> sender    sent i
+    every rank -> all     its ring's handles           (the sender ships {chip: handles})
+    sender -> all         start_weight_update's outcome (update_weights runs in the background)
+    every rank -> all     its workers' lowest verdict   (each worker: ready i, over its doorbell)
+    every rank            go i (everyone's lowest) to its workers, then its buckets into its ring
 
-A rank that fails tells the sender and its workers at once; so does the sender."""
+A rank whose step fails still enters the agreement, with its failure, and every rank gives the
+update up; a rank that dies fails the others' next agreement at once (its sockets close), a
+silent one after twice ``timeout_s``. A worker that fails tells its rank at once."""
 
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import asdict
+from datetime import timedelta
 from itertools import cycle
 from typing import Any
 
@@ -33,6 +33,7 @@ from vllm_ascend_rl.device import ExportedBuffer, IpcHandleError
 from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import StepHold
+from vllm_ascend_rl.weight_transfer import TransportError
 from vllm_ascend_rl.weight_transfer import ipc_messages as msg
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
@@ -43,7 +44,7 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener, Poll
+from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     AscendRLNPUIPCWeightTransferUpdateInfo,
@@ -66,13 +67,17 @@ from vllm_ascend_rl.weight_transfer.wire import (
 logger = get_logger(__name__)
 
 
-def gather_ranks(obj: Any) -> list[Any]:
-    """``obj`` of every trainer rank (a collective on the default group; ``[obj]`` without)."""
+def rank_group(timeout_s: float) -> Any:
+    """A gloo group of every trainer rank (None for one rank): their agreements run on the CPU
+    whatever the training backend, each bounded by twice ``timeout_s`` (a rank may wait there
+    while another waits up to ``timeout_s`` for its workers)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 30))
+
+
+class RankError(TransportError):
+    """Another trainer rank failed, died, or stayed away from an agreement past its bound."""
 
 
 def _release(ring: list[ExportedBuffer]) -> None:
@@ -96,14 +101,13 @@ def welcome(doorbell: Doorbell, hello: msg.Hello, wire: int, here: dict[str, str
 
 
 class Acceptor:
-    """Accepts connections on a rank's doorbell in a thread until stopped: engine workers
-    (:class:`Hello`) and, on the sender, the other trainer ranks (:class:`Peer`)."""
+    """Accepts this rank's engine workers (:class:`Hello`) on its doorbell in a thread until
+    stopped."""
 
     def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, msg.Hello], bool]):
         self.listener, self.greet = listener, greet
         self.workers: list[Doorbell] = []
         self.step_hold = StepHold.GATE  # the lowest of the welcomed workers'
-        self.peers: dict[int, Doorbell] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="ipc-acceptor")
         self._thread.start()
@@ -114,31 +118,26 @@ class Acceptor:
             if doorbell is None:
                 continue
             try:
-                match doorbell.recv("init handshake"):
-                    case msg.Peer(rank=rank):
-                        doorbell.send(msg.Welcome())
-                        self.peers[rank] = doorbell
-                    case msg.Hello() as hello:
-                        if self.greet(doorbell, hello):
-                            self.workers.append(doorbell)
-                            self.step_hold = min(self.step_hold, StepHold(hello.step_hold))
-                        else:
-                            doorbell.close()
-                    case other:
-                        raise DoorbellError(f"expected Hello or Peer, got {other!r}")
+                hello = doorbell.expect(msg.Hello, None, "init handshake")
+                if self.greet(doorbell, hello):
+                    self.workers.append(doorbell)
+                    self.step_hold = min(self.step_hold, StepHold(hello.step_hold))
+                else:
+                    doorbell.close()
             except Exception as e:  # a bad connection must not stop the others
                 logger.warning("NPU-IPC doorbell: dropped a connection: %s", e)
                 doorbell.close()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.listener.close()
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.listener.close()
 
 
 class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerInitInfo]):
-    """Trainer side: each rank owns its chip's ring and workers' doorbells; rank 0 also drives
-    the update and coordinates the other ranks."""
+    """Trainer side: each rank owns its chip's ring and its workers' doorbells; the sender
+    (rank 0) also drives the engine's calls."""
 
     init_info_cls = NPUIPCTrainerInitInfo
     transport = "NPU-IPC"
@@ -153,177 +152,174 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
     ) -> None:
         super().__init__(client=client, source=source, init_info=init_info)
         self.doorbells: list[Doorbell] = []  # this rank's engine workers
-        self.peers: list[Doorbell] = []  # sender: the other ranks; others: the sender
+        self.group: Any = None  # the trainer ranks' gloo group (None: one rank)
+        self.connected = False
         self.ring: list[ExportedBuffer] = []
         self.chip = self.hw.location()["chip"]
         self.update_id = 0
         # Unlink and unmap the ring when this engine is collected or the trainer exits.
         self._finalizer = weakref.finalize(self, _release, self.ring)
 
+    # -- agreements among the trainer ranks ---------------------------------------------
+    def _all(self, obj: Any) -> list[Any]:
+        """``obj`` of every trainer rank, in rank order (a collective of the rank group)."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:  # a rank died, or stayed away past the group's bound
+            self.connected = False  # the group's collectives are out of step now
+            raise RankError(f"the trainer ranks could not agree: {type(e).__name__}: {e}") from e
+        return out
+
+    def _share(self, step: Callable[[], Any]) -> list[Any]:
+        """Every rank's ``step()``, in rank order. A rank whose step raised enters the agreement
+        with its failure; then every rank raises, it its own error, the others RankError."""
+        try:
+            mine, failure = step(), None
+        except Exception as e:
+            mine, failure, error = None, f"{type(e).__name__}: {e}", e
+        answers = self._all((self.init_info.rank, mine, failure))
+        if failure is not None:
+            raise error
+        failed = [f"trainer rank {rank} failed: {why}" for rank, _, why in answers if why]
+        if failed:
+            raise RankError("; ".join(failed))
+        return [answer for _, answer, _ in answers]
+
+    def _sender_says(self, value: Any) -> Any:
+        """The sender's ``value``, on every rank (the others' are not read)."""
+        answers = self._all((self.is_sender, value))
+        return next(v for sender, v in answers if sender)
+
     # -- connection -------------------------------------------------------------------
     def connect(self) -> None:
-        """Every rank: its ring's doorbell, its workers' hellos, and the sender's link."""
+        """Every rank: its ring's doorbell and its workers' hellos, during the sender's init
+        call."""
         info = self.init_info
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
-        ranks = gather_ranks({"rank": info.rank, "chip": self.chip, "doorbell": listener.address})
-        chips = [r["chip"] for r in ranks]
-        if len(set(chips)) != len(chips):
-            listener.close()
-            raise WeightSyncError(f"NPU IPC needs one trainer rank per chip; ranks are on {chips}")
-        worker_info = AscendRLNPUIPCWeightTransferInitInfo(
-            doorbells={r["chip"]: r["doorbell"] for r in ranks},
-            zero_copy=info.zero_copy,
-            trainer_id=trainer_id(),
-            **wire_params(info),
-        )
-        wire = wire_signature(worker_info, None)
-        acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, wire, here))
+        acceptor: Acceptor | None = None
+        self.group = rank_group(info.timeout_s)
         try:
-            if self.is_sender:
-                self._connect_as_sender(acceptor, asdict(worker_info), len(ranks) - 1)
-            else:
-                sender = next(r for r in ranks if r["rank"] == 0)
-                self._connect_as_peer(acceptor, sender["doorbell"])
-        except Exception:
-            acceptor.stop()
-            for d in [*acceptor.workers, *acceptor.peers.values(), *self.peers]:
-                d.close()
-            self.peers = []
-            raise
-        self.doorbells = acceptor.workers
-
-    def _connect_as_sender(self, acceptor: Acceptor, init_body: dict, num_peers: int) -> None:
-        timeout_s = self.init_info.timeout_s
-        deadline = time.monotonic() + timeout_s
-        while len(acceptor.peers) < num_peers:  # the other ranks connect right after the gather
-            if time.monotonic() > deadline:
+            ranks = self._all({"chip": self.chip, "doorbell": listener.address})
+            chips = [r["chip"] for r in ranks]
+            if len(set(chips)) != len(chips):
                 raise WeightSyncError(
-                    f"only {len(acceptor.peers)} of {num_peers} other trainer ranks reached the "
-                    f"sender's doorbell within timeout_s={timeout_s:.0f}s"
+                    f"NPU IPC needs one trainer rank per chip; ranks are on {chips}"
                 )
-            time.sleep(0.05)
-        init_call = BackgroundCall(
-            "init_weight_transfer_engine", self.client.init_weight_transfer_engine, init_body
-        )
-        failure = init_call.failure(None)  # every worker said hello inside the call
-        acceptor.stop()
-        self.peers = [acceptor.peers[r] for r in sorted(acceptor.peers)]
-        counts, self.step_hold = [len(acceptor.workers)], acceptor.step_hold
-        for peer in self.peers:
-            peer.send(msg.Init(reason=failure))
-            if failure is None:
-                workers = peer.expect(msg.Workers, None, "init handshake")
-                counts.append(workers.count)
-                self.step_hold = min(self.step_hold, StepHold(workers.step_hold))
-        if failure is not None:
-            raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
-        if not sum(counts):
-            raise WeightSyncError("no engine worker connected to a trainer doorbell")
-
-    def _connect_as_peer(self, acceptor: Acceptor, sender_address: str) -> None:
-        sender = Doorbell.connect(sender_address, self.init_info.timeout_s)
-        self.peers = [sender]
-        sender.send(msg.Peer(rank=self.init_info.rank))
-        sender.expect(msg.Welcome, None, "joining the sender")
-        init = sender.expect(msg.Init, None, "waiting for the engine's init")
-        acceptor.stop()
-        if init.reason is not None:
-            raise WeightSyncError(f"init_weight_transfer_engine failed: {init.reason}")
-        sender.send(msg.Workers(count=len(acceptor.workers), step_hold=acceptor.step_hold))
+            worker_info = AscendRLNPUIPCWeightTransferInitInfo(
+                doorbells={r["chip"]: r["doorbell"] for r in ranks},
+                zero_copy=info.zero_copy,
+                trainer_id=trainer_id(),
+                **wire_params(info),
+            )
+            wire = wire_signature(worker_info, None)
+            acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, wire, here))
+            failure = None
+            if self.is_sender:  # every worker says hello inside the call
+                init = self.client.init_weight_transfer_engine
+                what = "init_weight_transfer_engine"
+                failure = BackgroundCall(what, init, asdict(worker_info)).failure(None)
+            failure = self._sender_says(failure)
+            acceptor.stop()
+            self.doorbells = acceptor.workers
+            if failure is not None:
+                raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
+            found = self._all((len(self.doorbells), int(acceptor.step_hold)))
+            if not sum(count for count, _ in found):
+                raise WeightSyncError("no engine worker connected to a trainer doorbell")
+        except Exception:
+            if acceptor is None:
+                listener.close()
+            else:
+                acceptor.stop()
+                self.doorbells = acceptor.workers
+            self.shutdown()  # closes the doorbells, drops the rank group
+            raise
+        self.connected = True
+        self.step_hold = StepHold(min(hold for _, hold in found))
 
     # -- one update: the sender's steps (TrainerTransport) ------------------------------
     def not_ready(self) -> str | None:
-        if not self.doorbells and not self.peers:
+        if not self.connected:
             return "not connected"
-        return next((d.broken for d in [*self.doorbells, *self.peers] if d.broken), None)
+        return next((d.broken for d in self.doorbells if d.broken), None)
 
     def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
-        self.update_id += 1
-        for peer in self.peers:
-            peer.send(msg.Update(id=self.update_id))
-        rings = {self.chip: self._ring_handles(plan)}
-        for peer in self.peers:
-            ring = peer.expect(msg.Ring, self.update_id, "collecting the ranks' rings")
-            rings[ring.chip] = ring.handles
         return {
             **AscendRLNPUIPCWeightTransferUpdateInfo.fields_from_specs(specs),
-            "buffers": rings,
+            "buffers": self._rings(plan),
             "update_id": self.update_id,
         }
 
     def cancel(self, reason: str) -> None:
-        for peer in self.peers:
-            peer.send(msg.Cancel(id=self.update_id, reason=reason))
+        self._sender_says(reason)
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
-        replies = self._ready(update.raise_if_failed)
-        # No poll on the update call here: a worker that refused fails it at once, and the
-        # refusal reaches us through its rank a moment later; a dead rank is seen anyway.
-        ranks = [p.expect(msg.Ready, self.update_id, "update handshake") for p in self.peers]
-        verdict, reason = _lowest(replies, plan, ranks)
-        go = msg.Go(id=self.update_id, verdict=verdict, reason=reason)
-        for peer in self.peers:
-            peer.send(go)
-        self._go(replies, go)
-        return verdict
+        self._sender_says(None)  # the update is open: each rank hears from its workers
+        return self._agree(plan, update.raise_if_failed)
 
     def send(self, plan: list[Bucket], pairs: Pairs, update: BackgroundCall) -> None:
-        poll = update.raise_if_failed
-        self._stream(plan, pairs, poll)
-        for peer in self.peers:
-            peer.expect(msg.Sent, self.update_id, "waiting for the other trainer ranks", poll)
+        self._stream(plan, pairs, update.raise_if_failed)
 
     def succeeded(self) -> None:
         for buf in self.ring:  # every worker has mapped them: take the names off /dev/shm
             buf.unlink()
 
     def abort(self) -> None:
-        for d in [*self.doorbells, *self.peers]:
+        self.connected = False
+        for d in self.doorbells:
             with suppress(Exception):  # already gone
                 d.send(msg.Abort(reason="the trainer gave up this update"))
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """Answer the sender: its update with this rank's ring, then with its workers' lowest
-        verdict; its verdict goes on to them, and on go, the buckets."""
+        """The sender's steps, seen from another rank: its ring to the sender; if the update
+        opened, its workers' verdict to every rank, and on go, the buckets."""
         reason = self.not_ready()
         if reason:
             raise WeightSyncError(
                 f"weight transfer is not usable ({reason}): call trainer_init again"
             )
-        sender = self.peers[0]
         try:
-            update = sender.expect(msg.Update, None, "waiting for the sender's next update")
-            self.update_id = update_id = update.id
-            sender.send(msg.Ring(id=update_id, chip=self.chip, handles=self._ring_handles(plan)))
-            replies = self._ready(self._watch)
-            verdict, reason = _lowest(replies, plan)
-            sender.send(msg.Ready(id=update_id, verdict=verdict, reason=reason))
-            go = sender.expect(msg.Go, update_id, "waiting for the sender's verdict")
-            self._go(replies, go)
-            if go.verdict != Verdict.GO:
+            self._rings(plan)
+            if self._sender_says(None) is not None:  # the sender's start failed: no update
                 return
-            self._stream(plan, iter(self.source), self._watch)
-            sender.send(msg.Sent(id=update_id))
-        except _Cancelled:
-            return
+            if self._agree(plan, lambda: None) == Verdict.GO:
+                self._stream(plan, iter(self.source), lambda: None)
         except BaseException:
             self.abort()
             raise
 
-    def _watch(self) -> None:
-        """Poll hook: _Cancelled if the sender cancels (its start failed: no worker answers)."""
-        match self.peers[0].pending("watching the sender"):
-            case msg.Cancel(reason=reason):
-                raise _Cancelled(reason)
-            case None:
-                return
-            case other:
-                raise WeightSyncError(f"unexpected message from the sender: {other!r}")
-
     # -- shared by every rank -------------------------------------------------------------
+    def _rings(self, plan: list[Bucket]) -> dict[str, list[dict[str, Any]]]:
+        """Every rank's ring handles by chip; the update's id is the sender's."""
+
+        def mine() -> tuple[bool, int, str, list[dict[str, Any]]]:
+            return self.is_sender, self.update_id + 1, self.chip, self._ring_handles(plan)
+
+        answers = self._share(mine)
+        self.update_id = next(update_id for sender, update_id, _, _ in answers if sender)
+        return {chip: handles for _, _, chip, handles in answers}
+
+    def _agree(self, plan: list[Bucket], poll: Poll) -> Verdict:
+        """This rank's workers' lowest verdict on ``plan``, then every rank's; the lowest goes
+        to the workers that said GO."""
+        replies: list[msg.Ready] = []
+
+        def lowest_here() -> tuple[Verdict, str | None]:
+            replies.extend(self._ready(poll))
+            return _lowest(replies, plan)
+
+        answers = self._share(lowest_here)
+        verdict = min(v for v, _ in answers)
+        reason = next((why for v, why in answers if v != Verdict.GO), None)
+        self._go(replies, msg.Go(id=self.update_id, verdict=verdict, reason=reason))
+        return verdict
+
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
         need = slot_bytes(plan, self.init_info.packed_buffer_size_bytes)
         if not self.ring or self.ring[0].open_tensor().numel() < need:
@@ -376,26 +372,23 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             acknowledged()
 
     def shutdown(self) -> None:
-        for d in [*self.doorbells, *self.peers]:
+        for d in self.doorbells:
             d.close()
-        self.doorbells, self.peers = [], []
+        self.doorbells, self.connected = [], False
+        if self.group is not None:
+            with suppress(Exception):  # never fails the shutdown
+                dist.destroy_process_group(self.group)
+            self.group = None
         _release(self.ring)
 
 
-class _Cancelled(Exception):
-    """The sender cancelled this update before any engine worker saw it."""
-
-
-def _lowest(
-    workers: list[msg.Ready], plan: list[Bucket], ranks: Sequence[msg.Ready] = ()
-) -> tuple[Verdict, str | None]:
+def _lowest(workers: list[msg.Ready], plan: list[Bucket]) -> tuple[Verdict, str | None]:
     """The lowest verdict of this rank's ``workers`` on ``plan`` (a GO for other buckets
-    refuses it) and of the other ``ranks``, and the first refusal's reason."""
+    refuses it), and the first refusal's reason."""
     sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
     answers: list[tuple[Verdict, str | None]] = [
         other if r.verdict == Verdict.GO and r.plan != sig else (r.verdict, r.reason)
         for r in workers
     ]
-    answers += [(r.verdict, r.reason) for r in ranks]
     verdict = min((v for v, _ in answers), default=Verdict.GO)
     return verdict, next((why for v, why in answers if v != Verdict.GO), None)

@@ -237,8 +237,6 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
             raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        if self.step_hold is not StepHold.GATE:
-            require_paused(self.client, self.step_hold)
         update = self._open_update(plan, payload)
         try:
             self.send(plan, iter(self.source), update)
@@ -257,6 +255,8 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
     def _open_update(self, plan: list[Bucket], payload: dict) -> BackgroundCall:
         """start_weight_update, then update_weights (in the background) and the handshake."""
         try:
+            if self.step_hold is not StepHold.GATE:
+                require_paused(self.client, self.step_hold)
             start_update(self.client)
         except WeightSyncError as e:
             self.cancel(str(e))
@@ -307,7 +307,8 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
         """``finish_weight_update`` returned."""
 
     def cancel(self, reason: str) -> None:
-        """The update was given up before any engine saw it (start_weight_update failed)."""
+        """The update was given up before any engine saw it (refused, or start_weight_update
+        failed)."""
 
 
 UNHELD = {
