@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from vllm_ascend_rl import vmm
+from vllm_ascend_rl.device.cpu.host_pool import host_tensor
 from vllm_ascend_rl.sleep import allocator as allocator_mod
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator, SleepError
 
@@ -33,7 +34,7 @@ def alloc():
 
 
 def fill(a: CaMemAllocator, allocation, value: int) -> torch.Tensor:
-    t = a.tensor(allocation)
+    t = host_tensor(a, allocation)
     t.fill_(value)
     return t
 
@@ -70,7 +71,7 @@ def test_wake_maps_memory_resident_before_it_is_touched(alloc):
     before = rss()
     alloc.wake_up(["kv_cache"])
     assert rss() - before > 240 * MiB  # resident with no access at all
-    assert not alloc.tensor(kv)[:: 1 << 20].any()  # and still zero
+    assert not host_tensor(alloc, kv)[:: 1 << 20].any()  # and still zero
 
 
 def test_a_wake_the_host_cannot_back_fails_and_stays_asleep(alloc):
@@ -97,7 +98,7 @@ def test_backups_are_allocated_once_and_reused(alloc):
         alloc.sleep(offload_tags="weights")
         assert alloc.allocations[w.addr].backup is backup
     alloc.wake_up()
-    assert torch.all(alloc.tensor(w) == 5)
+    assert torch.all(host_tensor(alloc, w) == 5)
 
 
 def test_waking_an_awake_tag_is_a_no_op(alloc):
@@ -151,7 +152,7 @@ def test_discard_releases_without_keeping_contents(alloc):
     alloc.discard(["weights"])
     assert not alloc.allocations[w.addr].mapped and alloc.allocations[w.addr].backup is None
     alloc.wake_up()
-    assert torch.all(alloc.tensor(w) == 0)
+    assert torch.all(host_tensor(alloc, w) == 0)
 
 
 def test_out_of_memory_is_an_exception_not_a_crash(alloc):

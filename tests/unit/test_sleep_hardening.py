@@ -17,6 +17,7 @@ import torch
 from tests.unit.test_camem_allocator import fill
 from vllm_ascend_rl import vmm
 from vllm_ascend_rl.device.cpu.device import CpuDevice
+from vllm_ascend_rl.device.cpu.host_pool import host_tensor
 from vllm_ascend_rl.sleep import allocator as allocator_mod
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 
@@ -323,7 +324,7 @@ def test_wake_zeroes_memory_where_the_back_end_does_not(cleanup):
     a = _allocator(vmm=vmm)
     cleanup(a)
     kv = a.allocate(MiB, "kv_cache")
-    view = a.tensor(kv)
+    view = host_tensor(a, kv)
     a.sleep()
     a.wake_up()
     assert "zero" in vmm.calls and int(view.max()) == 0
@@ -335,7 +336,7 @@ def test_persistent_allocations_survive_sleep_and_discard(cleanup):
     cleanup(a)
     kv = a.allocate(4 * MiB, "kv_cache")
     bookkeeping = a.allocate(MiB, "kv_cache")
-    kv_tensor = a.tensor(kv).view(torch.int8)[64:]  # a view into the KV allocation
+    kv_tensor = host_tensor(a, kv).view(torch.int8)[64:]  # a view into the KV allocation
     book = fill(a, bookkeeping, 5)
     assert a.keep_only("kv_cache", [kv_tensor]) == 1
     now = a.allocations

@@ -9,10 +9,8 @@ host backups live here."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -135,34 +133,14 @@ class CaMemAllocator:
         with self._lock:
             return self._snapshot(*self._call("table_allocate", *args))
 
-    def tensor(self, alloc: Allocation, nbytes: int | None = None, owned: bool = False):
-        """A uint8 CPU tensor over a host-back-end allocation. ``owned``: the allocation is
-        freed when the tensor's last view dies; otherwise the caller frees it."""
-        if self.backend != "host":
-            raise SleepError("CPU tensors exist only for the host back end")
-        array = (ctypes.c_uint8 * (alloc.size if nbytes is None else nbytes)).from_address(
-            alloc.addr
-        )
-        if owned:
-            weakref.finalize(array, self._free_quietly, alloc.addr, alloc.id).atexit = False
-        return torch.frombuffer(array, dtype=torch.uint8)
-
-    def free(self, addr: int) -> None:
-        """Release the allocation at ``addr`` whatever its state; KeyError if none. A failure
-        leaves it recorded in the state it reached, not leaked. The caller drains the device."""
+    def free(self, addr: int, id_: int = 0) -> None:
+        """Release the allocation at ``addr`` (if ``id_``, only that entry) whatever its state;
+        KeyError if none. A failure leaves it recorded in the state it reached, not leaked. The
+        caller drains the device."""
         with self._lock:
-            if not self._call("table_free", addr):
+            if not self._call("table_free", addr, id_):
                 raise KeyError(addr)
             self._backups.pop(addr, None)
-
-    def _free_quietly(self, addr: int, id_: int) -> None:
-        """Free the entry ``id_`` if it is still at ``addr`` (a pooled CPU tensor died)."""
-        try:
-            with self._lock:
-                if self._call("table_free", addr, id_):
-                    self._backups.pop(addr, None)
-        except SleepError as e:
-            logger.warning("freeing a pooled CPU tensor at 0x%x failed: %s", addr, e)
 
     @contextmanager
     def use_memory_pool(self, tag: str = DEFAULT_TAG) -> Iterator[None]:

@@ -29,7 +29,7 @@ from vllm_ascend_rl.device.base import (
     ipc_buffer_id,
 )
 from vllm_ascend_rl.device.cpu.chip import check_own_chip, host_chip
-from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode
+from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode, host_tensor
 from vllm_ascend_rl.vmm import host_copy
 
 SHM_PREFIX = "vllm_ascend_rl_"
@@ -96,7 +96,7 @@ class CpuDevice(Device):
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
         def pooled(nbytes: int) -> torch.Tensor:
-            return allocator.tensor(allocator.allocate(nbytes, tag), nbytes, owned=True)
+            return host_tensor(allocator, allocator.allocate(nbytes, tag), nbytes, owned=True)
 
         return HostAllocationMode(pooled)
 

@@ -1,18 +1,48 @@
 """The CPU stand-in for torch_npu's pluggable-allocator pool: inside the block, plain CPU
 ``torch.zeros``/``torch.empty`` (ordinary contiguous tensors only; anything else falls through
-to torch) are served from the sleep allocator, freed when the tensor's last view dies."""
+to torch) are served from the sleep allocator (host back end), freed when the tensor's last
+view dies."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from vllm_ascend_rl.device.base import SleepPool
+from vllm_ascend_rl.logs import get_logger
+
+logger = get_logger(__name__)
+
 _SERVED = (torch.zeros, torch.empty)
 _KNOWN_KWARGS = {"size", "dtype", "device", "layout", "pin_memory", "requires_grad"}
+
+
+def host_tensor(
+    pool: SleepPool, alloc: Any, nbytes: int | None = None, owned: bool = False
+) -> torch.Tensor:
+    """A uint8 CPU tensor over a host-back-end allocation of ``pool``. ``owned``: the
+    allocation is freed when the tensor's last view dies; otherwise the caller frees it."""
+    size = alloc.size if nbytes is None else nbytes
+    array = (ctypes.c_uint8 * size).from_address(alloc.addr)
+    if owned:
+        weakref.finalize(array, _free_quietly, pool, alloc.addr, alloc.id).atexit = False
+    return torch.frombuffer(array, dtype=torch.uint8)
+
+
+def _free_quietly(pool: SleepPool, addr: int, id_: int) -> None:
+    """Free the entry ``id_`` if it is still at ``addr`` (a pooled CPU tensor died)."""
+    try:
+        pool.free(addr, id_)
+    except KeyError:  # freed already
+        pass
+    except Exception as e:
+        logger.warning("freeing a pooled CPU tensor at 0x%x failed: %s", addr, e)
 
 
 class HostAllocationMode(TorchFunctionMode):
