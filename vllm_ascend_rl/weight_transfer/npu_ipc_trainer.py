@@ -201,8 +201,8 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
         acceptor: Acceptor | None = None
-        self.group = rank_group(info.timeout_s)
         try:
+            self.group = rank_group(info.timeout_s)
             ranks = self._all({"chip": self.chip, "doorbell": listener.address})
             chips = [r["chip"] for r in ranks]
             if len(set(chips)) != len(chips):
