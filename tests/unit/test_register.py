@@ -36,13 +36,13 @@ OURS = {
     ("SleepModeBackendFactory", CAMEM_BACKEND): "vllm_ascend_rl.sleep.backend.CaMemSleepBackend",
 }
 
-# Runs in a fresh process: put the stand-in first or last on sys.path, let vLLM load every
-# general plugin exactly as it does in a server process, and report who owns which name.
+# Runs in a fresh process, after `standin` and `order` are set: put the stand-in first or last
+# on sys.path, let vLLM load every general plugin exactly as it does in a server process, and
+# report who owns which name.
 PROBE = textwrap.dedent(
     """
     import json, os, sys
     os.environ.pop("VLLM_PLUGINS", None)
-    standin, order = STANDIN, ORDER
     if order == "last":
         sys.path.append(standin)
     else:
@@ -74,7 +74,7 @@ PROBE = textwrap.dedent(
 
 
 def _probe(standin, order: str) -> dict:
-    out = run_fresh(PROBE.replace("STANDIN", repr(str(standin))).replace("ORDER", repr(order)))
+    out = run_fresh(f"standin, order = {str(standin)!r}, {order!r}\n{PROBE}")
     assert out.returncode == 0, f"plugin loading failed ({order}):\n{out.stderr[-3000:]}"
     line = next(x for x in out.stdout.splitlines() if x.startswith("@@"))
     return json.loads(line[2:])
