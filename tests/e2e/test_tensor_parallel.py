@@ -1,16 +1,23 @@
-"""Tensor parallel 2 on CPU: the pause matrix, an unpaused HCCL sync and sleep, on one TP=2
-server.
+"""Tensor parallel 2 on CPU, one TP=2 server with the NPU-IPC engine: the pause matrix, a sync
+with two trainer ranks (paused, and unpaused between two tokens), and sleep.
 
 vLLM's CPU build runs TP over its multiprocessing executor, one worker process per rank. On
 this one-NUMA-node host each rank needs its own core by hand (``VLLM_CPU_OMP_THREADS_BIND``).
-The HCCL group is the trainer plus both workers (world size 3). The reference for synced
-weights is the same TP=2 engine loading the checkpoint from disk with vLLM's own
+Every engine worker and every trainer rank emulates a chip of its own (``cpu0``, ``cpu1``), so
+NPU IPC's per-chip routing runs exactly as on NPUs: the sender ships ``{chip: handles}`` and
+``{chip: doorbell}``, and each worker maps its own chip's ring. (HCCL to several workers:
+test_data_parallel.py, whose group is the trainer and two engines' workers.) The reference for
+synced weights is the same engine loading the checkpoint from disk with vLLM's own
 ``reload_weights``, which is what a fresh TP=2 engine on the new weights would hold.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,21 +27,22 @@ from tests.e2e.test_pause_resume import (  # the same matrix, run on this module
     test_pause_mode_request_lifecycle,  # noqa: F401
     test_pause_resume_state_is_idempotent_across_cycles,  # noqa: F401
 )
-from tests.e2e.weight_sync_cases import init_trainer
 from tests.support import (
     TinyModelSpec,
     VLLMServer,
     build_model_pair,
+    free_port,
     greedy_token_ids,
     rl_engine_args,
 )
-from tests.support.profile import trainer_env
+from tests.support.profile import current_profile, trainer_env
 from tests.support.rl_step import check_continuations, swap_unpaused
-from tests.support.trainer import TrainerProcess
+from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
 
+BACKEND = "ascend_rl_npu_ipc"
 # ~120 MB of weights, so what a level-2 sleep frees per worker stands out. float32: in bf16 the
 # ranks' partial sums round with the batch's shape, and a stream recomputed after a sync could
 # part from its reference at a near-tie (CI once: one stream of four, the other three and the
@@ -66,7 +74,7 @@ def tp2_engine(log_dir: Path) -> list[VLLMServer]:
             chips=2,
             dtype=SPEC.dtype,
             extra_args=[
-                *rl_engine_args("ascend_rl_hccl", sleepable=True),
+                *rl_engine_args(BACKEND, sleepable=True),
                 *("--tensor-parallel-size", "2"),
                 *("--enable-prefix-caching", "--enable-prompt-tokens-details"),  # pause tests
             ],
@@ -94,6 +102,57 @@ def ctl(server):
     client.resume()
 
 
+def together(*calls: Callable[[], Any]) -> list[Any]:
+    """Run ``calls`` at once (each trainer rank blocks until the others join)."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+@pytest.fixture(scope="module")
+def ranks(server, models, tmp_path_factory) -> Iterator[tuple[TrainerProcess, TrainerProcess]]:
+    """Two trainer processes on v2, one a chip, in one torch.distributed group."""
+    logs = tmp_path_factory.mktemp("tp2-trainers")
+    port = free_port()
+    env0, env1 = (trainer_env(server.chips, colocated=True, rank=r) for r in (0, 1))
+    with (
+        TrainerProcess(models[1], log_path=logs / "rank0.log", env=env0) as r0,
+        TrainerProcess(models[1], log_path=logs / "rank1.log", env=env1) as r1,
+    ):
+        together(lambda: r0.join_ranks(port, 0, 2), lambda: r1.join_ranks(port, 1, 2))
+        yield r0, r1
+
+
+@contextmanager
+def connected(ranks, server: VLLMServer, models) -> Iterator[None]:
+    """Both ranks own the engine's weight channel until the block ends; then the engine is
+    back on v1 and the channel free."""
+    r0, r1 = ranks
+    together(
+        lambda: r0.init(BACKEND, server.url, rank=0, timeout_s=60),
+        lambda: r1.init(BACKEND, server.url, rank=1, timeout_s=60),
+    )
+    try:
+        yield
+    finally:
+        together(lambda: r0.release(server.url), lambda: r1.release(server.url))
+        EngineControlClient(server.url, timeout_s=300).reload_weights(str(models[0]))
+
+
 def workers_memory(server: VLLMServer) -> list[dict[str, int]]:
     """Per TP worker: bytes its process holds (CPU: resident set) and its sleep pool."""
     return EngineControlClient(server.url).collective_rpc("memory_in_use")[0]
@@ -108,29 +167,56 @@ def test_server_has_two_workers(server, ctl):
     assert len(workers_memory(server)) == 2
 
 
-def test_an_unpaused_hccl_sync_reaches_both_ranks_between_two_tokens(server, ctl, models, tmp_path):
+def test_one_trainer_rank_cannot_serve_two_chips(server, models, tmp_path):
+    env = trainer_env(server.chips, colocated=True)
+    with (
+        TrainerProcess(models[1], log_path=tmp_path / "alone.log", env=env) as alone,
+        pytest.raises(
+            TrainerError,
+            match=f"no trainer rank on chip {current_profile().chip_name(server.chips[1])}",
+        ),
+    ):
+        alone.init(BACKEND, server.url, timeout_s=30)
+    assert server.is_healthy()
+
+
+def test_each_rank_fills_its_own_chips_ring(server, ctl, ranks, models):
+    r0, r1 = ranks
+    v1 = greedy_token_ids(server.url, PROBE, 24)
+    with connected(ranks, server, models):
+        sent, _ = together(lambda: r0.send(weight_version="v2"), lambda: r1.send())
+        assert sent["bytes"] > 0
+        synced = greedy_token_ids(server.url, PROBE, 24)
+        assert synced != v1
+        ctl.reload_weights(str(models[1]))  # vLLM's own reload from disk: the reference
+        assert greedy_token_ids(server.url, PROBE, 24) == synced
+    assert greedy_token_ids(server.url, PROBE, 24) == v1
+    log = server.log_path.read_text(errors="replace")
+    assert "NPU-IPC weight transfer ready: worker 0" in log
+    assert "NPU-IPC weight transfer ready: worker 1" in log
+
+
+def test_an_unpaused_sync_reaches_both_ranks_between_two_tokens(server, ctl, ranks, models):
     """No pause: each worker process announces its open update to the engine core's scheduler,
     which runs no step until both are whole again; every stream then continues exactly on v2."""
+    r0, r1 = ranks
     v1 = greedy_token_ids(server.url, PROBE, 16)
-    env = trainer_env(server.chips, colocated=False)
-    try:
-        with TrainerProcess(models[1], log_path=tmp_path / "trainer.log", env=env) as trainer:
-            init_trainer("ascend_rl_hccl", trainer, server, world_size=3)
-            # 600 tokens a stream: with 200 the streams could end before a sync that two
-            # workers on two busy cores made slow (CI once: every stream was v1 to its end).
-            sync = lambda: trainer.send(weight_version="v2", pause=False)  # noqa: E731
-            out = swap_unpaused(server.url, sync)
+    with connected(ranks, server, models):
+        # 600 tokens a stream: with 200 the streams could end before a sync that two
+        # workers on two busy cores made slow (CI once: every stream was v1 to its end).
+        out = swap_unpaused(
+            server.url,
+            lambda: together(
+                lambda: r0.send(weight_version="v2", pause=False),
+                lambda: r1.send(pause=False),
+            ),
+        )
         assert not out.problems, out.problems
         synced = greedy_token_ids(server.url, PROBE, 16)
         assert synced != v1
         ctl.reload_weights(str(models[1]))  # a fresh TP=2 load of v2 from disk: the reference
         assert greedy_token_ids(server.url, PROBE, 16) == synced
         assert check_continuations(server.url, out, together=True) == [True] * len(out.streams)
-        log = server.log_path.read_text(errors="replace")
-        for rank in (1, 2):
-            assert f"HCCL weight transfer ready: rank {rank} of 3" in log
-    finally:  # the module's other tests start from v1
-        ctl.reload_weights(str(models[0]))
     assert greedy_token_ids(server.url, PROBE, 16) == v1
     print(f"\nTP=2 unpaused sync: {out.sync_ms:.0f} ms, streams left v1 at {out.split}")
 

@@ -132,7 +132,7 @@ def test_the_suites_layout_fits_the_ascend_runner_with_room_for_trainers(tmp_pat
     from tests.support.shared_servers import SHARED
 
     chips, chip_counts = ascend_runner()["chips"], [s.num_chips for s in module_servers(tmp_path)]
-    assert len(chip_counts) >= 9 and max(chip_counts) == chips  # TP=2 and DP=2 servers
+    assert len(chip_counts) >= 8 and max(chip_counts) == chips  # TP=2 and DP=2 servers
 
     def most_asked(fraction: float) -> float:
         worst = 0.0
