@@ -15,13 +15,12 @@ from examples.plumbing import VLLMServer
 # and a tiny random model's greedy continuations part after a few dozen tokens.
 GRAPHS_BACKEND = "ascend_rl_npu_ipc"
 RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
-# Every shared server, one chip each (tests/conftest.py builds exactly these).
-SHARED = (
-    "reference-v1",
-    "reference-v2",
-    "reference-v2-graphs",
-    *(f"rl-{backend}" for backend in RL_BACKENDS),
-)
+# Every shared server, one chip each (tests/conftest.py builds exactly these), in the groups
+# that start together: the eager ones on the session's first request, the compile-mode pair on
+# the first request of either (a selection without the NPU-IPC engine's suites never starts it).
+EAGER = ("reference-v1", "reference-v2", *(f"rl-{b}" for b in RL_BACKENDS if b != GRAPHS_BACKEND))
+GRAPHS = ("reference-v2-graphs", f"rl-{GRAPHS_BACKEND}")
+SHARED = (*EAGER, *GRAPHS)
 
 
 class SharedServers:
@@ -32,9 +31,11 @@ class SharedServers:
         self._servers: dict[str, VLLMServer] = {}
 
     def get(self, name: str) -> VLLMServer:
-        """The started server ``name``. The session's first request starts them all."""
-        if not self._servers:
-            self._start(list(self.makers))
+        """The started server ``name``. The first request of a group starts all of it."""
+        if not self._servers.keys() & EAGER:
+            self._start(list(EAGER))
+        if name in GRAPHS and not self._servers.keys() & GRAPHS:
+            self._start(list(GRAPHS))
         server = self._servers.get(name)
         if server is None or not server.is_healthy():
             if server is not None:
