@@ -57,18 +57,28 @@ lint: $(STAMP)
 # The default release runs every test. The other runs, for the CI budget, what meets the vLLM
 # surfaces that move between releases: the unit suite (every upstream-internals guard, the
 # schedulers step by step and the engine-core loops against its sources) and one module per
-# surface the servers expose: the weight-transfer lifecycle on each transport, pause/resume
-# with each scheduler, sleep and wake, an update's failure paths in the worker. The suites that
-# add engine shapes, the router, the doctor, dead peers and the examples reach those surfaces
-# through the same calls; the Ascend workflow's preflight belongs to the release its image runs.
+# surface the servers expose: the weight-transfer lifecycle (HCCL; NPU IPC as sleep's level-2
+# reload), pause/resume with each scheduler, sleep and wake in compile mode, an update's
+# failure paths in the worker. The suites that add engine shapes, the router, the doctor, dead
+# peers and the examples reach those surfaces through the same calls; the Ascend workflow's
+# preflight belongs to the release its image runs.
 PREFLIGHT := tests/unit/test_ascend_workflow.py::test_a_preflight_step_passes_on_the_cpu_stack
-SECOND_LEG := tests/unit tests/e2e/test_hccl_weight_swap.py tests/e2e/test_npu_ipc_weight_swap.py \
-    tests/e2e/test_pause_resume.py tests/e2e/test_sleep_mode.py \
-    tests/reliability/test_weight_update_faults.py --deselect $(PREFLIGHT)
-LEG_TESTS := $(if $(filter 0.32.0,$(VLLM)),tests,$(SECOND_LEG))
+SERVER_TESTS := $(if $(filter 0.32.0,$(VLLM)),tests/e2e tests/reliability tests/npu,\
+    tests/e2e/test_hccl_weight_swap.py tests/e2e/test_pause_resume.py \
+    tests/e2e/test_sleep_mode.py tests/reliability/test_weight_update_faults.py)
+UNIT_TESTS := tests/unit $(if $(filter 0.32.0,$(VLLM)),,--deselect $(PREFLIGHT))
+# What needs no server (lint and the canary once, on the default leg; the unit suite) runs
+# beside the suites with servers, which leave about half of the host idle while one engine
+# decodes; its output, kept in $(VENV)/beside.log, follows theirs. Their /dev/shm check spans
+# both (tests/conftest.py).
+BESIDE := $(if $(filter 0.32.0,$(VLLM)),lint canary) unit
 
-test: $(if $(filter 0.32.0,$(VLLM)),lint canary,$(STAMP))  # linted and probed once
-	$(BIN)/python -m pytest $(LEG_TESTS) --durations=25
+test: $(STAMP)
+	@VLLM_ASCEND_RL_BESIDE_SERVERS=1 $(MAKE) --no-print-directory --keep-going $(BESIDE) \
+	    > $(VENV)/beside.log 2>&1 & beside=$$!; \
+	$(BIN)/python -m pytest $(SERVER_TESTS) --durations=25; servers=$$?; \
+	wait $$beside; beside=$$?; echo "== $(BESIDE)"; cat $(VENV)/beside.log; \
+	exit $$(( servers || beside ))
 
 # The next vLLM, ahead of the stacks: the newest vLLM wheel on the index (no dependencies,
 # fetched once per clone; a CUDA build, of which only the Python sources are used) in place of
@@ -95,7 +105,7 @@ test-npu:
 	$(NPU_PYTHON) -m pytest tests -m ascend --device npu
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests/unit
+	$(BIN)/python -m pytest $(UNIT_TESTS) --durations=10
 
 e2e: $(STAMP)
 	$(BIN)/python -m pytest tests/e2e
