@@ -12,8 +12,9 @@ HCCL engine and vLLM's public trainer API:
 2. The loop: requests stream on both engines; once every request has tokens, both engines
    pause (``keep``: requests stay, their KV cache is dropped); the trainer syncs each engine;
    both resume, and every request finishes on the new weights.
-3. Validation: the engines are shut down, a fresh engine starts on v2, and from prompt +
-   tokens generated before the pause it must reproduce, greedily, every token generated after.
+3. Validation: one engine loads v2 from disk with vLLM's own loader (``reload_weights``), and
+   from prompt + tokens generated before the pause it must reproduce, greedily, every token
+   generated after, on both engines.
 
 On CPU (the default) it builds tiny random-weight checkpoints and runs a local Ray cluster; CI
 runs it that way. On Ascend::
@@ -60,7 +61,7 @@ def parse_args() -> argparse.Namespace:
     return ap.parse_args()
 
 
-def engine_kwargs(model: str, device: str, memory: float, weight_transfer: bool = True) -> dict:
+def engine_kwargs(model: str, device: str, memory: float) -> dict:
     """vLLM engine arguments (``AsyncEngineArgs``) for an RL engine."""
     from vllm.config import WeightTransferConfig
 
@@ -70,14 +71,13 @@ def engine_kwargs(model: str, device: str, memory: float, weight_transfer: bool 
         max_model_len=2048,
         enforce_eager=True,
         scheduler_cls=PLUGIN_SCHEDULER,
+        weight_transfer_config=WeightTransferConfig(backend="ascend_rl_hccl"),
     )
     if device == "cpu":
         kwargs["gpu_memory_utilization"] = 0.1  # the KV cache is VLLM_CPU_KVCACHE_SPACE
     else:
         kwargs["gpu_memory_utilization"] = memory
         kwargs["additional_config"] = {"weight_nz_mode": 0}  # NZ off (README)
-    if weight_transfer:
-        kwargs["weight_transfer_config"] = WeightTransferConfig(backend="ascend_rl_hccl")
     return kwargs
 
 
@@ -144,6 +144,10 @@ class Engine:
 
     async def finish_weight_update(self, weight_version: str | None = None) -> None:
         await self.llm.finish_weight_update(weight_version)
+
+    async def reload_weights(self, path: str) -> None:
+        """vLLM's own load of the checkpoint at ``path`` (the validation's reference)."""
+        await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
 
     async def update_weight_version(self, version: str) -> None:
         await self.llm.update_weight_version(version)
@@ -266,14 +270,11 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
         f"pause {max(pause_ms):.0f} ms, sync {sync_ms:.0f} ms for 2 engines "
         f"({', '.join(f'{s * 1e3:.0f} ms' for s in sync_s)}), {len(results)} requests resumed"
     )
-    for e in engines:
-        ray.get(e.shutdown.remote())
-        ray.kill(e)
     ray.kill(trainer)
 
-    # -- 3. validate against a fresh engine on v2 ---------------------------------------------
-    kwargs = engine_kwargs(v2, device, args.gpu_memory_utilization, weight_transfer=False)
-    reference = Engine.options(**in_bundle(1)).remote(kwargs)
+    # -- 3. validate against vLLM's own load of v2 --------------------------------------------
+    reference = engines[0]
+    ray.get(reference.reload_weights.remote(v2))
     checks = []
     for r in results:
         split = r["at_pause"]
@@ -286,9 +287,11 @@ def run(args: argparse.Namespace, v1: str, v2: str, prompts: list, bundle: dict)
         c["tokens"] == r["tokens"][r["at_pause"] :]
         for c, r in zip(continued, results, strict=False)
     ]
-    ray.get(reference.shutdown.remote())
+    for e in engines:
+        ray.get(e.shutdown.remote())
+        ray.kill(e)
     remove_placement_group(pg)
-    print(f"{sum(matches)}/{len(matches)} continuations equal a fresh engine on v2")
+    print(f"{sum(matches)}/{len(matches)} continuations equal vLLM's own load of v2")
     ok = all(matches)
     print("validated: every request continued exactly on the new weights" if ok else "FAILED")
     return 0 if ok else 1

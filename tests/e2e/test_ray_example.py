@@ -1,6 +1,6 @@
 """``examples/rlhf_ray_hccl.py`` on a local Ray cluster: a trainer actor, two in-process vLLM
 engines (``AsyncLLM``) in one placement group, one sync to both while their requests are
-paused mid-stream, validated against a fresh engine on the new weights. The example asserts
+paused mid-stream, validated against vLLM's own load of the new weights into one of them. The example asserts
 and prints its own validation; this runs it as a user would and checks what it printed."""
 
 from __future__ import annotations
@@ -47,6 +47,6 @@ def test_ray_example_syncs_two_engines_and_validates(request, tmp_path):
     text = log.read_text(errors="replace")
     assert proc.returncode == 0, text[-4000:]
     assert "trainer connected to both engines" in text
-    assert "8/8 continuations equal a fresh engine on v2" in text
+    assert "8/8 continuations equal vLLM's own load of v2" in text
     assert "validated: every request continued exactly on the new weights" in text
     print("\n" + next(line for line in text.splitlines() if line.startswith("pause ")))
