@@ -1,7 +1,8 @@
 """``examples/rlhf_ray_hccl.py`` on a local Ray cluster: a trainer actor, two in-process vLLM
 engines (``AsyncLLM``) in one placement group, one sync to both while their requests are
-paused mid-stream, validated against vLLM's own load of the new weights into one of them. The example asserts
-and prints its own validation; this runs it as a user would and checks what it printed."""
+paused mid-stream, validated against vLLM's own load of the new weights into one of them. The
+example asserts and prints its own validation; this runs it as a user would and checks what it
+printed."""
 
 from __future__ import annotations
 
