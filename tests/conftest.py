@@ -132,7 +132,7 @@ def standin_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(tmp_path_factory, model_pair, standin_env):
+def shared_servers(request, tmp_path_factory, model_pair, standin_env):
     """The session's shared servers (tests/support/shared_servers.py):
 
     - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
@@ -165,7 +165,8 @@ def shared_servers(tmp_path_factory, model_pair, standin_env):
         **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
     }
     assert set(makers) == set(SHARED), "tests/support/shared_servers.py lists them for the layout"
-    shared = SharedServers(tmp_path_factory.mktemp("shared-servers"), makers)
+    with_graphs = request.config.stash.get(USES_GRAPHS, False)
+    shared = SharedServers(tmp_path_factory.mktemp("shared-servers"), makers, with_graphs)
     yield shared
     shared.close()
 
@@ -178,16 +179,22 @@ def rl_engines(shared_servers) -> Callable[[str], VLLMServer]:
 
 
 SERVER_ORDER = pytest.StashKey[list]()
+USES_GRAPHS = pytest.StashKey[bool]()
 
 
 def pytest_collection_finish(session):
-    """The module servers (each module's ``SERVERS``) in the order the tests need them."""
+    """The module servers (each module's ``SERVERS``) in the order the tests need them, and
+    whether a module uses the shared compile-mode pair (``USES_COMPILE_MODE_PAIR``)."""
     order: list = []
+    modules = {getattr(item, "module", None) for item in session.items}
     for item in session.items:
         for make in getattr(getattr(item, "module", None), "SERVERS", ()):
             if make not in order:
                 order.append(make)
     session.config.stash[SERVER_ORDER] = order
+    session.config.stash[USES_GRAPHS] = any(
+        getattr(m, "USES_COMPILE_MODE_PAIR", False) for m in modules
+    )
 
 
 @pytest.fixture(scope="session")

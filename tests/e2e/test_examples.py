@@ -23,6 +23,7 @@ from tests.support.profile import trainer_env
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(600)]
+USES_COMPILE_MODE_PAIR = True  # the NPU-IPC engine's shared server and its reference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PROBE = "Weights under test:"

@@ -19,6 +19,7 @@ from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ascend, pytest.mark.timeout(900)]
+USES_COMPILE_MODE_PAIR = True  # the NPU-IPC engine's shared server and its reference
 
 GOOD_NAME_FORMAT = "vllm_ascend_rl_0123456789abcdef"  # well formed, never created
 CHIP = "<chip>"  # stands for the engine worker's chip in the cases: see on_chip

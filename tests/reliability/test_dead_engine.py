@@ -26,6 +26,7 @@ pytestmark = [
 ]
 
 BACKENDS = ["ascend_rl_hccl", "ascend_rl_npu_ipc"]
+USES_COMPILE_MODE_PAIR = True  # the NPU-IPC engine's shared server
 TIMEOUT_S = 5
 
 

@@ -15,9 +15,10 @@ from examples.plumbing import VLLMServer
 # and a tiny random model's greedy continuations part after a few dozen tokens.
 GRAPHS_BACKEND = "ascend_rl_npu_ipc"
 RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
-# Every shared server, one chip each (tests/conftest.py builds exactly these), in the groups
-# that start together: the eager ones on the session's first request, the compile-mode pair on
-# the first request of either (a selection without the NPU-IPC engine's suites never starts it).
+# Every shared server, one chip each (tests/conftest.py builds exactly these), in two groups:
+# the eager ones start on the session's first request; the compile-mode pair with them when a
+# collected module says it uses the pair (USES_COMPILE_MODE_PAIR), else on its first request
+# (a selection without the NPU-IPC engine's suites never starts it).
 EAGER = ("reference-v1", "reference-v2", *(f"rl-{b}" for b in RL_BACKENDS if b != GRAPHS_BACKEND))
 GRAPHS = ("reference-v2-graphs", f"rl-{GRAPHS_BACKEND}")
 SHARED = (*EAGER, *GRAPHS)
@@ -26,21 +27,27 @@ SHARED = (*EAGER, *GRAPHS)
 class SharedServers:
     """``makers``: name -> a function of the log path that builds the server (not started)."""
 
-    def __init__(self, log_dir: Path, makers: dict[str, Callable[[Path], VLLMServer]]) -> None:
-        self.log_dir, self.makers = log_dir, makers
+    def __init__(
+        self, log_dir: Path, makers: dict[str, Callable[[Path], VLLMServer]], with_graphs: bool
+    ) -> None:
+        self.log_dir, self.makers, self.with_graphs = log_dir, makers, with_graphs
         self._servers: dict[str, VLLMServer] = {}
 
     def get(self, name: str) -> VLLMServer:
-        """The started server ``name``. The first request of a group starts all of it."""
-        if not self._servers.keys() & EAGER:
-            self._start(list(EAGER))
-        if name in GRAPHS and not self._servers.keys() & GRAPHS:
-            self._start(list(GRAPHS))
+        """The started server ``name``, healthy; one found dead is started again."""
+        if not self._servers:
+            self._launch(EAGER + GRAPHS if self.with_graphs else EAGER)
+        if name in GRAPHS and not self._servers.keys() & set(GRAPHS):
+            self._launch(GRAPHS)
         server = self._servers.get(name)
+        if server is not None and not server.came_up:
+            server.wait_healthy()
         if server is None or not server.is_healthy():
             if server is not None:
+                del self._servers[name]
                 server.stop()
-            self._start([name])
+            self._launch((name,))
+            self._servers[name].wait_healthy()
         return self._servers[name]
 
     def discard(self, server: VLLMServer) -> None:
@@ -55,10 +62,9 @@ class SharedServers:
             server.stop()
         self._servers.clear()
 
-    def _start(self, names: list[str]) -> None:
-        servers = {n: self.makers[n](self.log_dir / f"{n}.log") for n in names}
-        self._servers.update(servers)
-        for server in servers.values():
-            server.start(wait=False)
-        for server in servers.values():
-            server.wait_healthy()
+    def _launch(self, names: tuple[str, ...]) -> None:
+        """Start those of ``names`` not started yet, side by side, not waiting for them."""
+        for name in names:
+            if name not in self._servers:
+                self._servers[name] = self.makers[name](self.log_dir / f"{name}.log")
+                self._servers[name].start(wait=False)
