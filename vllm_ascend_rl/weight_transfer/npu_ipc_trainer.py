@@ -175,7 +175,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
 
     def _share(self, step: Callable[[], Any]) -> list[Any]:
         """Every rank's ``step()``, in rank order. A rank whose step raised enters the agreement
-        with its failure; then every rank raises, it its own error, the others RankError."""
+        with its failure; then that rank raises its own error, and every other rank RankError."""
         try:
             mine, failure = step(), None
         except Exception as e:
@@ -312,11 +312,9 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
 
         def lowest_here() -> tuple[Verdict, str | None]:
             replies.extend(self._ready(poll))
-            return _lowest(replies, plan)
+            return _lowest(_on_plan(replies, plan))
 
-        answers = self._share(lowest_here)
-        verdict = min(v for v, _ in answers)
-        reason = next((why for v, why in answers if v != Verdict.GO), None)
+        verdict, reason = _lowest(self._share(lowest_here))
         self._go(replies, msg.Go(id=self.update_id, verdict=verdict, reason=reason))
         return verdict
 
@@ -382,13 +380,16 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         _release(self.ring)
 
 
-def _lowest(workers: list[msg.Ready], plan: list[Bucket]) -> tuple[Verdict, str | None]:
-    """The lowest verdict of this rank's ``workers`` on ``plan`` (a GO for other buckets
-    refuses it), and the first refusal's reason."""
+def _on_plan(workers: list[msg.Ready], plan: list[Bucket]) -> list[tuple[Verdict, str | None]]:
+    """Each worker's verdict and reason; a GO for other buckets than ``plan`` refuses it."""
     sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
-    answers: list[tuple[Verdict, str | None]] = [
+    return [
         other if r.verdict == Verdict.GO and r.plan != sig else (r.verdict, r.reason)
         for r in workers
     ]
+
+
+def _lowest(answers: list[tuple[Verdict, str | None]]) -> tuple[Verdict, str | None]:
+    """The lowest of the ``answers`` (GO if none), and the first refusal's reason."""
     verdict = min((v for v, _ in answers), default=Verdict.GO)
     return verdict, next((why for v, why in answers if v != Verdict.GO), None)
