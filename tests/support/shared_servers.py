@@ -40,15 +40,14 @@ class SharedServers:
         if name in GRAPHS and not self._servers.keys() & set(GRAPHS):
             self._launch(GRAPHS)
         server = self._servers.get(name)
-        if server is not None and not server.came_up:
+        if server is not None and server.came_up and not server.is_healthy():  # it died since
+            del self._servers[name]
+            server.stop()
+        self._launch((name,))
+        server = self._servers[name]
+        if not server.came_up:
             server.wait_healthy()
-        if server is None or not server.is_healthy():
-            if server is not None:
-                del self._servers[name]
-                server.stop()
-            self._launch((name,))
-            self._servers[name].wait_healthy()
-        return self._servers[name]
+        return server
 
     def discard(self, server: VLLMServer) -> None:
         """Stop ``server`` (one a user could not leave as it found it); ``get`` starts anew."""
