@@ -137,7 +137,8 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env):
 
     - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
       (v1 also the upstream side of the pause matrix, the bounce target, and, with the
-      plugin's HCCL engine, an RL engine whose scheduler has no step gate);
+      plugin's HCCL engine, an RL engine whose scheduler has no step gate; v2, which needs
+      no RL route, without ``VLLM_SERVER_DEV_MODE``: the doctor's engine without it);
     - ``rl-<backend>`` per weight-transfer backend: an RL engine on v1 with the plugin
       scheduler, the sleepable worker (with vllm-ascend's ``NPUWorker`` weight-update
       lifecycle), prefix caching, ``/inference/v1/generate`` and ``UpdateFaults``, beside
@@ -150,8 +151,8 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env):
 
     hccl = ["--weight-transfer-config", '{"backend": "ascend_rl_hccl"}']
 
-    def reference(model, args):
-        return lambda log: VLLMServer(model, log_path=log, extra_args=args)
+    def reference(model, args, env=None):
+        return lambda log: VLLMServer(model, env=env, log_path=log, extra_args=args)
 
     def rl_engine(backend):
         graphs = backend == GRAPHS_BACKEND
@@ -160,7 +161,7 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env):
 
     makers = {
         "reference-v1": reference(v1, [*engine_args(), *prefix, *hccl]),
-        "reference-v2": reference(v2, engine_args()),
+        "reference-v2": reference(v2, engine_args(), {"VLLM_SERVER_DEV_MODE": "0"}),
         "reference-v2-graphs": reference(v2, engine_args(graphs=True)),
         **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
     }

@@ -33,10 +33,22 @@ def restore_priority(server: VLLMServer) -> None:
             child.nice(server.profile.engine_niceness)
 
 
+def start_ahead(server: VLLMServer) -> None:
+    """Launch ``server`` at the prefetch priority: its API server now, its engine processes,
+    not spawned yet, inherit it. :func:`restore_priority` once a test needs it."""
+    server.start(wait=False)
+    psutil.Process(server.proc.pid).nice(PREFETCH_NICENESS)
+
+
 class ServerPlan:
+    """With ``prefetch``, the first module's servers start as the plan is made (beside the
+    session's shared servers), each next one while the module before it runs."""
+
     def __init__(self, log_dir: Path, order: Sequence[Maker], prefetch: bool) -> None:
         self.log_dir, self.order, self.prefetch = log_dir, list(order), prefetch
         self._started: dict[Maker, Sequence[VLLMServer]] = {}
+        if prefetch and self.order:
+            self._started[self.order[0]] = self._start(self.order[0])
 
     @contextmanager
     def serving(self, make: Maker) -> Iterator[Sequence[VLLMServer]]:
@@ -61,14 +73,12 @@ class ServerPlan:
             self._stop(servers)
         self._started.clear()
 
-    def _start(self, make: Maker, niceness: int = 0) -> Sequence[VLLMServer]:
+    def _start(self, make: Maker, ahead: bool = False) -> Sequence[VLLMServer]:
         log_dir = self.log_dir / make.__name__
         log_dir.mkdir(exist_ok=True)
         servers = make(log_dir)
         for server in servers:
-            server.start(wait=False)
-            if niceness:  # its engine processes, not spawned yet, inherit it
-                psutil.Process(server.proc.pid).nice(niceness)
+            start_ahead(server) if ahead else server.start(wait=False)
         return servers
 
     def _start_next(self, make: Maker) -> None:
@@ -76,7 +86,7 @@ class ServerPlan:
             return
         at = self.order.index(make) + 1
         if at < len(self.order):
-            self._started[self.order[at]] = self._start(self.order[at], PREFETCH_NICENESS)
+            self._started[self.order[at]] = self._start(self.order[at], ahead=True)
 
     @staticmethod
     def _stop(servers: Sequence[VLLMServer]) -> None:
