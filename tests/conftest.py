@@ -132,18 +132,19 @@ def standin_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(request, tmp_path_factory, model_pair, standin_env):
+def shared_servers(request, tmp_path_factory, model_pair, standin_env, server_plan):
     """The session's shared servers (tests/support/shared_servers.py):
 
     - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
       (v1 also the upstream side of the pause matrix, the bounce target, and, with the
-      plugin's HCCL engine, an RL engine whose scheduler has no step gate; v2, which needs
-      no RL route, without ``VLLM_SERVER_DEV_MODE``: the doctor's engine without it);
+      plugin's HCCL engine, an RL engine whose scheduler has no step gate);
     - ``rl-<backend>`` per weight-transfer backend: an RL engine on v1 with the plugin
       scheduler, the sleepable worker (with vllm-ascend's ``NPUWorker`` weight-update
       lifecycle), prefix caching, ``/inference/v1/generate`` and ``UpdateFaults``, beside
       vllm-ascend's registrations; the ``GRAPHS_BACKEND`` one in vLLM's default compile mode
-      (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode."""
+      (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode.
+
+    Made after ``server_plan``, which starts the first module's servers alongside them."""
     v1, v2 = model_pair
     prefix = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     rl_flags = [*scale_out_flags(), *prefix]
@@ -151,8 +152,8 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env):
 
     hccl = ["--weight-transfer-config", '{"backend": "ascend_rl_hccl"}']
 
-    def reference(model, args, env=None):
-        return lambda log: VLLMServer(model, env=env, log_path=log, extra_args=args)
+    def reference(model, args):
+        return lambda log: VLLMServer(model, log_path=log, extra_args=args)
 
     def rl_engine(backend):
         graphs = backend == GRAPHS_BACKEND
@@ -161,7 +162,7 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env):
 
     makers = {
         "reference-v1": reference(v1, [*engine_args(), *prefix, *hccl]),
-        "reference-v2": reference(v2, engine_args(), {"VLLM_SERVER_DEV_MODE": "0"}),
+        "reference-v2": reference(v2, engine_args()),
         "reference-v2-graphs": reference(v2, engine_args(graphs=True)),
         **{f"rl-{backend}": rl_engine(backend) for backend in RL_BACKENDS},
     }

@@ -175,12 +175,13 @@ class VLLMServer:
         return self
 
     def _renice_engine(self) -> None:
-        """Lower the priority of the engine processes (``profile.engine_niceness``)."""
+        """Give the engine processes ``profile.engine_niceness`` below the API server's."""
         if not self.profile.engine_niceness:
             return
-        for child in psutil.Process(self.proc.pid).children(recursive=True):
+        api_server = psutil.Process(self.proc.pid)
+        for child in api_server.children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                child.nice(child.nice() + self.profile.engine_niceness)
+                child.nice(api_server.nice() + self.profile.engine_niceness)
 
     def log_tail(self, lines: int = 60) -> str:
         try:

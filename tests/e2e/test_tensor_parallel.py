@@ -1,5 +1,7 @@
-"""Tensor parallel 2 on CPU, one TP=2 server with the NPU-IPC engine: the pause matrix, a sync
-with two trainer ranks (paused, and unpaused between two tokens), and sleep.
+"""Tensor parallel 2 on CPU, one TP=2 server with the NPU-IPC engine: a sync with two trainer
+ranks (paused, and unpaused between two tokens), and sleep in every worker. No pause matrix:
+a TP=2 engine has one engine core, and its scheduler's matrix is test_pause_resume.py's; a
+pause that must reach several engine cores is test_data_parallel.py's.
 
 vLLM's CPU build runs TP over its multiprocessing executor, one worker process per rank. On
 this one-NUMA-node host each rank needs its own core by hand (``VLLM_CPU_OMP_THREADS_BIND``).
@@ -22,11 +24,6 @@ from typing import Any
 import pytest
 import torch
 
-from tests.e2e.test_pause_resume import (  # the same matrix, run on this module's server
-    test_invalid_pause_mode_preserves_state,  # noqa: F401
-    test_pause_mode_request_lifecycle,  # noqa: F401
-    test_pause_resume_state_is_idempotent_across_cycles,  # noqa: F401
-)
 from tests.support import (
     TinyModelSpec,
     VLLMServer,

@@ -7,20 +7,16 @@ on greedy tokens, not on /health.
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.support import (
     StreamingCompletion,
-    TinyModelSpec,
-    VLLMServer,
-    build_tiny_model,
     greedy_token_ids,
 )
 from tests.support.addresses import assert_addresses_kept
-from tests.support.sleep_servers import leave_awake, sleepable_server
+from tests.support.sleep_servers import leave_awake
 from tests.support.vllm_features import has_route
 from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
@@ -39,21 +35,6 @@ REFUSED = "refusing to resume generation"
 def server(rl_engines):
     """The session's RL engine: the sleepable worker and the plugin scheduler."""
     return rl_engines("ascend_rl_hccl")
-
-
-def upstream_sleep_engine(log_dir: Path) -> list[VLLMServer]:
-    model = build_tiny_model(TinyModelSpec(seed=1))
-    return [sleepable_server(model, log_dir / "server.log", scheduler=None)]
-
-
-SERVERS = (upstream_sleep_engine,)
-
-
-@pytest.fixture(scope="module")
-def upstream_server(server_plan):
-    """vLLM's own scheduler with the same worker: what upstream's engine core decides."""
-    with server_plan.serving(upstream_sleep_engine) as (srv,):
-        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -209,24 +190,23 @@ def test_a_storm_of_control_calls_ends_in_the_last_calls_state(server, ctl, base
 # -- upstream vLLM's own behaviour (default scheduler), as docs/failure-semantics.md says ---
 
 
-def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(upstream_server):
-    """vLLM's EngineCore.wake_up resumes scheduling whenever every tag is resident, so a
-    trainer's pause is lost; the plugin scheduler keeps it (test above)."""
-    ctl = EngineControlClient(upstream_server.url)
+def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(reference_v1):
+    """vLLM's EngineCore.wake_up resumes scheduling whenever every tag is resident (on an
+    engine that never slept, at once), so a trainer's pause is lost; the plugin scheduler
+    keeps it (test above). ``reference_v1`` is vLLM's own engine and scheduler."""
+    ctl = EngineControlClient(reference_v1.url)
     ctl.pause("keep")
     ctl.wake_up()
     assert ctl.is_paused() is False
 
 
-def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(
-    upstream_server,
-):
+def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(reference_v1):
     """A request that pause(abort) aborts before its first token streams ``[DONE]`` with HTTP
     200 and no finish_reason (vLLM 0.30 and 0.32, default scheduler): a client cannot tell
     it from a truncated stream. Not ours; clients should treat it as aborted."""
-    ctl = EngineControlClient(upstream_server.url)
+    ctl = EngineControlClient(reference_v1.url)
     ctl.pause("keep")  # queued: it cannot produce a token before the abort
-    stream = StreamingCompletion(upstream_server.url, PROBE, 16, ignore_eos=True)
+    stream = StreamingCompletion(reference_v1.url, PROBE, 16, ignore_eos=True)
     stream.start()
     time.sleep(0.5)
     ctl.pause("abort")

@@ -24,7 +24,8 @@ PREFETCH_NICENESS = 10  # a starting server yields to the running module's tests
 
 def restore_priority(server: VLLMServer) -> None:
     """Give a prefetched server the priorities of one started now: its API server 0, its
-    engine processes the profile's. (Lowering a niceness needs CAP_SYS_NICE; without it
+    engine processes (those spawned yet; the others inherit 0, and take the profile's
+    niceness once up) the profile's. (Lowering a niceness needs CAP_SYS_NICE; without it
     the server keeps the lower priority.)"""
     with contextlib.suppress(psutil.Error):
         api_server = psutil.Process(server.proc.pid)
@@ -41,14 +42,15 @@ def start_ahead(server: VLLMServer) -> None:
 
 
 class ServerPlan:
-    """With ``prefetch``, the first module's servers start as the plan is made (beside the
-    session's shared servers), each next one while the module before it runs."""
+    """With ``prefetch``, the first module's servers start as the plan is made (with the
+    session's shared servers), each next one while the module before it runs; all at the
+    prefetch priority until a module waits for them."""
 
     def __init__(self, log_dir: Path, order: Sequence[Maker], prefetch: bool) -> None:
         self.log_dir, self.order, self.prefetch = log_dir, list(order), prefetch
         self._started: dict[Maker, Sequence[VLLMServer]] = {}
         if prefetch and self.order:
-            self._started[self.order[0]] = self._start(self.order[0])
+            self._started[self.order[0]] = self._start(self.order[0], ahead=True)
 
     @contextmanager
     def serving(self, make: Maker) -> Iterator[Sequence[VLLMServer]]:
@@ -60,9 +62,9 @@ class ServerPlan:
         self._start_next(make)
         try:
             for server in servers:
-                server.wait_healthy()
-                if prefetched:
+                if prefetched:  # a test waits for it now
                     restore_priority(server)
+                server.wait_healthy()
             yield servers
         finally:
             self._stop(servers)

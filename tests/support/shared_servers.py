@@ -49,11 +49,11 @@ class SharedServers:
             server.stop()
         self._launch((name,))
         server = self._servers[name]
-        if not server.came_up:
-            server.wait_healthy()
-        if name in self._ahead:  # up now (``restore_priority`` needs its engine spawned)
+        if name in self._ahead:  # a test waits for it now
             self._ahead.discard(name)
             restore_priority(server)
+        if not server.came_up:
+            server.wait_healthy()
         return server
 
     def discard(self, server: VLLMServer) -> None:
