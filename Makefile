@@ -68,14 +68,13 @@ SERVER_TESTS := $(if $(filter 0.32.0,$(VLLM)),tests/e2e tests/reliability tests/
     tests/e2e/test_sleep_mode.py tests/reliability/test_weight_update_faults.py)
 UNIT_TESTS := tests/unit $(if $(filter 0.32.0,$(VLLM)),,--deselect $(PREFLIGHT))
 # What needs no server (lint and the canary once, on the default leg; the unit suite) runs
-# beside the suites with servers, at the lowest priority: they leave about a quarter of the
-# host idle (one engine decoding, a server starting), which it takes, and lose no time to it.
-# Its output, kept in $(VENV)/beside.log, follows theirs. Their /dev/shm check spans both
-# (tests/conftest.py).
+# beside the suites with servers, which leave about half of the host idle while one engine
+# decodes; its output, kept in $(VENV)/beside.log, follows theirs. Their /dev/shm check spans
+# both (tests/conftest.py).
 BESIDE := $(if $(filter 0.32.0,$(VLLM)),lint canary) unit
 
 test: $(STAMP)
-	@VLLM_ASCEND_RL_BESIDE_SERVERS=1 nice -n 19 $(MAKE) --no-print-directory --keep-going $(BESIDE) \
+	@VLLM_ASCEND_RL_BESIDE_SERVERS=1 $(MAKE) --no-print-directory --keep-going $(BESIDE) \
 	    > $(VENV)/beside.log 2>&1 & beside=$$!; \
 	$(BIN)/python -m pytest $(SERVER_TESTS) --durations=25; servers=$$?; \
 	wait $$beside; beside=$$?; echo "== $(BESIDE)"; cat $(VENV)/beside.log; \

@@ -132,7 +132,7 @@ def standin_env(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def shared_servers(request, tmp_path_factory, model_pair, standin_env, server_plan):
+def shared_servers(request, tmp_path_factory, model_pair, standin_env):
     """The session's shared servers (tests/support/shared_servers.py):
 
     - ``reference-v1``, ``reference-v2``: vLLM's own engine on v1 / v2, the greedy references
@@ -142,9 +142,7 @@ def shared_servers(request, tmp_path_factory, model_pair, standin_env, server_pl
       scheduler, the sleepable worker (with vllm-ascend's ``NPUWorker`` weight-update
       lifecycle), prefix caching, ``/inference/v1/generate`` and ``UpdateFaults``, beside
       vllm-ascend's registrations; the ``GRAPHS_BACKEND`` one in vLLM's default compile mode
-      (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode.
-
-    Made after ``server_plan``, which starts the first module's servers alongside them."""
+      (ACL graphs on Ascend), with ``reference-v2-graphs``, v2 in that mode."""
     v1, v2 = model_pair
     prefix = ["--enable-prefix-caching", "--enable-prompt-tokens-details"]
     rl_flags = [*scale_out_flags(), *prefix]

@@ -175,13 +175,12 @@ class VLLMServer:
         return self
 
     def _renice_engine(self) -> None:
-        """Give the engine processes ``profile.engine_niceness`` below the API server's."""
+        """Lower the priority of the engine processes (``profile.engine_niceness``)."""
         if not self.profile.engine_niceness:
             return
-        api_server = psutil.Process(self.proc.pid)
-        for child in api_server.children(recursive=True):
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
             with contextlib.suppress(psutil.Error):
-                child.nice(api_server.nice() + self.profile.engine_niceness)
+                child.nice(child.nice() + self.profile.engine_niceness)
 
     def log_tail(self, lines: int = 60) -> str:
         try:

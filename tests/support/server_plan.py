@@ -24,8 +24,7 @@ PREFETCH_NICENESS = 10  # a starting server yields to the running module's tests
 
 def restore_priority(server: VLLMServer) -> None:
     """Give a prefetched server the priorities of one started now: its API server 0, its
-    engine processes (those spawned yet; the others inherit 0, and take the profile's
-    niceness once up) the profile's. (Lowering a niceness needs CAP_SYS_NICE; without it
+    engine processes the profile's. (Lowering a niceness needs CAP_SYS_NICE; without it
     the server keeps the lower priority.)"""
     with contextlib.suppress(psutil.Error):
         api_server = psutil.Process(server.proc.pid)
@@ -34,23 +33,10 @@ def restore_priority(server: VLLMServer) -> None:
             child.nice(server.profile.engine_niceness)
 
 
-def start_ahead(server: VLLMServer) -> None:
-    """Launch ``server`` at the prefetch priority: its API server now, its engine processes,
-    not spawned yet, inherit it. :func:`restore_priority` once a test needs it."""
-    server.start(wait=False)
-    psutil.Process(server.proc.pid).nice(PREFETCH_NICENESS)
-
-
 class ServerPlan:
-    """With ``prefetch``, the first module's servers start as the plan is made (with the
-    session's shared servers), each next one while the module before it runs; all at the
-    prefetch priority until a module waits for them."""
-
     def __init__(self, log_dir: Path, order: Sequence[Maker], prefetch: bool) -> None:
         self.log_dir, self.order, self.prefetch = log_dir, list(order), prefetch
         self._started: dict[Maker, Sequence[VLLMServer]] = {}
-        if prefetch and self.order:
-            self._started[self.order[0]] = self._start(self.order[0], ahead=True)
 
     @contextmanager
     def serving(self, make: Maker) -> Iterator[Sequence[VLLMServer]]:
@@ -62,9 +48,9 @@ class ServerPlan:
         self._start_next(make)
         try:
             for server in servers:
-                if prefetched:  # a test waits for it now
-                    restore_priority(server)
                 server.wait_healthy()
+                if prefetched:
+                    restore_priority(server)
             yield servers
         finally:
             self._stop(servers)
@@ -75,12 +61,14 @@ class ServerPlan:
             self._stop(servers)
         self._started.clear()
 
-    def _start(self, make: Maker, ahead: bool = False) -> Sequence[VLLMServer]:
+    def _start(self, make: Maker, niceness: int = 0) -> Sequence[VLLMServer]:
         log_dir = self.log_dir / make.__name__
         log_dir.mkdir(exist_ok=True)
         servers = make(log_dir)
         for server in servers:
-            start_ahead(server) if ahead else server.start(wait=False)
+            server.start(wait=False)
+            if niceness:  # its engine processes, not spawned yet, inherit it
+                psutil.Process(server.proc.pid).nice(niceness)
         return servers
 
     def _start_next(self, make: Maker) -> None:
@@ -88,7 +76,7 @@ class ServerPlan:
             return
         at = self.order.index(make) + 1
         if at < len(self.order):
-            self._started[self.order[at]] = self._start(self.order[at], ahead=True)
+            self._started[self.order[at]] = self._start(self.order[at], PREFETCH_NICENESS)
 
     @staticmethod
     def _stop(servers: Sequence[VLLMServer]) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from examples.plumbing import VLLMServer
-from tests.support.server_plan import restore_priority, start_ahead
 
 # The shared RL engine that runs in vLLM's default compile mode (ACL graphs on Ascend), with a
 # reference of its own on v2 in that mode: compiled kernels round differently from eager ones,
@@ -17,9 +16,9 @@ from tests.support.server_plan import restore_priority, start_ahead
 GRAPHS_BACKEND = "ascend_rl_npu_ipc"
 RL_BACKENDS = ("ascend_rl_hccl", "ascend_rl_npu_ipc")
 # Every shared server, one chip each (tests/conftest.py builds exactly these), in two groups:
-# the eager ones start on the session's first request; the compile-mode pair with them, at the
-# prefetch priority, when a collected module says it uses the pair (USES_COMPILE_MODE_PAIR),
-# else on its first request (a selection without the NPU-IPC engine's suites never starts it).
+# the eager ones start on the session's first request; the compile-mode pair with them when a
+# collected module says it uses the pair (USES_COMPILE_MODE_PAIR), else on its first request
+# (a selection without the NPU-IPC engine's suites never starts it).
 EAGER = ("reference-v1", "reference-v2", *(f"rl-{b}" for b in RL_BACKENDS if b != GRAPHS_BACKEND))
 GRAPHS = ("reference-v2-graphs", f"rl-{GRAPHS_BACKEND}")
 SHARED = (*EAGER, *GRAPHS)
@@ -33,14 +32,11 @@ class SharedServers:
     ) -> None:
         self.log_dir, self.makers, self.with_graphs = log_dir, makers, with_graphs
         self._servers: dict[str, VLLMServer] = {}
-        self._ahead: set[str] = set()  # launched at the prefetch priority, not asked for yet
 
     def get(self, name: str) -> VLLMServer:
         """The started server ``name``, healthy; one found dead is started again."""
         if not self._servers:
-            self._launch(EAGER)
-            if self.with_graphs:
-                self._launch(GRAPHS, ahead=True)
+            self._launch(EAGER + GRAPHS if self.with_graphs else EAGER)
         if name in GRAPHS and not self._servers.keys() & set(GRAPHS):
             self._launch(GRAPHS)
         server = self._servers.get(name)
@@ -49,9 +45,6 @@ class SharedServers:
             server.stop()
         self._launch((name,))
         server = self._servers[name]
-        if name in self._ahead:  # a test waits for it now
-            self._ahead.discard(name)
-            restore_priority(server)
         if not server.came_up:
             server.wait_healthy()
         return server
@@ -68,14 +61,9 @@ class SharedServers:
             server.stop()
         self._servers.clear()
 
-    def _launch(self, names: tuple[str, ...], ahead: bool = False) -> None:
-        """Start those of ``names`` not started yet, side by side, not waiting for them
-        (``ahead``: at the prefetch priority)."""
+    def _launch(self, names: tuple[str, ...]) -> None:
+        """Start those of ``names`` not started yet, side by side, not waiting for them."""
         for name in names:
             if name not in self._servers:
-                server = self._servers[name] = self.makers[name](self.log_dir / f"{name}.log")
-                if ahead:
-                    start_ahead(server)
-                    self._ahead.add(name)
-                else:
-                    server.start(wait=False)
+                self._servers[name] = self.makers[name](self.log_dir / f"{name}.log")
+                self._servers[name].start(wait=False)
