@@ -190,28 +190,37 @@ def test_a_storm_of_control_calls_ends_in_the_last_calls_state(server, ctl, base
 # -- upstream vLLM's own behaviour (default scheduler), as docs/failure-semantics.md says ---
 
 
-def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(reference_v1):
+@pytest.fixture
+def upstream(reference_v1):
+    """A client of ``reference_v1``, vLLM's own engine and scheduler, which the session
+    shares: left resumed however the test ends."""
+    client = EngineControlClient(reference_v1.url)
+    yield client
+    client.resume()
+
+
+def test_upstream_wake_up_drops_the_pause_of_an_awake_engine(upstream):
     """vLLM's EngineCore.wake_up resumes scheduling whenever every tag is resident (on an
     engine that never slept, at once), so a trainer's pause is lost; the plugin scheduler
-    keeps it (test above). ``reference_v1`` is vLLM's own engine and scheduler."""
-    ctl = EngineControlClient(reference_v1.url)
-    ctl.pause("keep")
-    ctl.wake_up()
-    assert ctl.is_paused() is False
+    keeps it (test above)."""
+    upstream.pause("keep")
+    upstream.wake_up()
+    assert upstream.is_paused() is False
 
 
-def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(reference_v1):
+def test_upstream_ends_a_stream_aborted_before_its_first_token_without_a_reason(
+    upstream, reference_v1
+):
     """A request that pause(abort) aborts before its first token streams ``[DONE]`` with HTTP
     200 and no finish_reason (vLLM 0.30 and 0.32, default scheduler): a client cannot tell
     it from a truncated stream. Not ours; clients should treat it as aborted."""
-    ctl = EngineControlClient(reference_v1.url)
-    ctl.pause("keep")  # queued: it cannot produce a token before the abort
+    upstream.pause("keep")  # queued: it cannot produce a token before the abort
     stream = StreamingCompletion(reference_v1.url, PROBE, 16, ignore_eos=True)
     stream.start()
     time.sleep(0.5)
-    ctl.pause("abort")
+    upstream.pause("abort")
     stream.join(60)
-    ctl.resume()
+    upstream.resume()
     assert stream.status_code == 200 and stream.error is None
     assert stream.num_tokens == 0 and stream.finish_reason is None
 
