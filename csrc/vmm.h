@@ -1,5 +1,5 @@
-// One virtual-memory interface for the sleep allocator, with two back ends: host (anonymous
-// mmap, always built) and acl (CANN's aclrtReserveMemAddress/aclrtMallocPhysical/aclrtMapMem).
+// One virtual-memory interface for the sleep allocator. Its back end here is acl (CANN's
+// aclrtReserveMemAddress/aclrtMallocPhysical/aclrtMapMem); the CPU stand-in brings a host one.
 // Every call returns 0 or an error code (errno or aclError) and throws nothing. Calls take the
 // device they touch, since ACL's current device is per thread: the back end makes it current.
 #pragma once
@@ -35,7 +35,6 @@ typedef struct VmmBackend {
   const char* (*describe)(int code);
 } VmmBackend;
 
-extern const VmmBackend vmm_host_backend;
 #ifdef VLLM_ASCEND_RL_WITH_ACL
 extern const VmmBackend vmm_acl_backend;
 #endif

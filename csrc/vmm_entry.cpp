@@ -1,6 +1,6 @@
 // The sleep allocator's table (vmm_table.h) and the malloc/free entry points of a pluggable
 // allocator over any vmm.h back end: torch_npu's NPUPluggableAllocator calls the ACL pair, CI
-// the host pair through ctypes.
+// the generic pair over the CPU stand-in's host back end.
 //
 // torch_npu calls them under its allocator mutex (NPUCachingAllocator.cpp:2720-2724,
 // 2.10.0.post4), so they must not wait for anything a thread waiting on that mutex may hold, the
@@ -95,9 +95,11 @@ void log_failure(const VmmBackend* b, const char* op, uint64_t va, int err) {
           static_cast<unsigned long long>(va), err, b->describe(err));
 }
 
+}  // namespace
+
 // Reserve a range, back it with populated physical memory, map it, and record it with the
 // current tag. nullptr on any failure (torch then reports out-of-memory).
-void* entry_malloc(const VmmBackend* b, ssize_t size, int device) {
+void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device) {
   if (size <= 0) return nullptr;
   VmmEntry e{};
   VmmStatus st = vmm_table_allocate(b, static_cast<uint64_t>(size), device, 1, nullptr, &e);
@@ -111,7 +113,7 @@ void* entry_malloc(const VmmBackend* b, ssize_t size, int device) {
 // Take the allocation out of the table, then give back whatever it still holds (one asleep has
 // no mapping and no physical memory), as torch_memory_saver's free does. The device is drained
 // first: work still queued on it may read or write this memory, and unmapping under it faults.
-void entry_free(const VmmBackend* b, void* ptr) {
+void vmm_entry_free(const VmmBackend* b, void* ptr) {
   uint64_t va = reinterpret_cast<uint64_t>(ptr);
   VmmEntry e{};
   VmmStatus taken = with_entry(va, 0, [&](Table& t, VmmEntry& found) {
@@ -135,10 +137,7 @@ void entry_free(const VmmBackend* b, void* ptr) {
   if ((err = b->release(va, e.size, e.device)) != 0) log_failure(b, "release", va, err);
 }
 
-}  // namespace
-
-const VmmBackend* vmm_backend(const char* name) {
-  if (strcmp(name, vmm_host_backend.name) == 0) return &vmm_host_backend;
+const VmmBackend* vmm_backend([[maybe_unused]] const char* name) {
 #ifdef VLLM_ASCEND_RL_WITH_ACL
   if (strcmp(name, vmm_acl_backend.name) == 0) return &vmm_acl_backend;
 #endif
@@ -226,23 +225,14 @@ int vmm_table_retag(uint64_t addr, uint64_t id, const char* tag) {
   return with_entry(addr, id, retag).found;
 }
 
-// The pluggable-allocator entry points: torch_npu's NPUPluggableAllocator calls the ACL pair
-// (signatures of torch_npu v2.10.0 torch_npu/csrc/npu/NPUPluggableAllocator.h:17-18, where the
-// last argument is an aclrtStream, a void*), CI the host pair through ctypes.
-extern "C" VMM_API void* vllm_ascend_rl_host_malloc(ssize_t size, int device, void*) {
-  return entry_malloc(&vmm_host_backend, size, device);
-}
-
-extern "C" VMM_API void vllm_ascend_rl_host_free(void* ptr, ssize_t, int, void*) {
-  entry_free(&vmm_host_backend, ptr);
-}
-
+// torch_npu's NPUPluggableAllocator pair (signatures of torch_npu v2.10.0
+// torch_npu/csrc/npu/NPUPluggableAllocator.h:17-18, the last argument an aclrtStream).
 #ifdef VLLM_ASCEND_RL_WITH_ACL
 extern "C" VMM_API void* vllm_ascend_rl_npu_malloc(ssize_t size, int device, void*) {
-  return entry_malloc(&vmm_acl_backend, size, device);
+  return vmm_entry_malloc(&vmm_acl_backend, size, device);
 }
 
 extern "C" VMM_API void vllm_ascend_rl_npu_free(void* ptr, ssize_t, int, void*) {
-  entry_free(&vmm_acl_backend, ptr);
+  vmm_entry_free(&vmm_acl_backend, ptr);
 }
 #endif

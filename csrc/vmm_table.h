@@ -8,6 +8,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "vmm.h"
 
@@ -38,7 +39,7 @@ typedef struct VmmStatus {
   const VmmBackend* backend;
 } VmmStatus;
 
-// The back end called `name` ("host", "acl"), or NULL if this build has none by that name.
+// The built-in back end called `name` ("acl"), or NULL if this build has none by that name.
 VMM_API const VmmBackend* vmm_backend(const char* name);
 
 // Tag given to allocations made through the entry points from now on; the previous one is
@@ -72,9 +73,10 @@ VMM_API VmmStatus vmm_table_free(uint64_t addr, uint64_t id);
 // Re-tag an entry; 0 if (addr, id) names none.
 VMM_API int vmm_table_retag(uint64_t addr, uint64_t id, const char* tag);
 
-// memcpy of `n` bytes on up to `threads` threads (host_copy.cpp); EINVAL, copying nothing, if
-// an address is null or the ranges overlap.
-VMM_API int vmm_host_copy(void* dst, const void* src, uint64_t n, uint64_t threads);
+// The malloc/free pair of a pluggable allocator over back end `b`: nullptr on any failure;
+// a free of memory the table did not make is logged and leaks. torch_npu's pair wraps them.
+VMM_API void* vmm_entry_malloc(const VmmBackend* b, ssize_t size, int device);
+VMM_API void vmm_entry_free(const VmmBackend* b, void* ptr);
 
 #ifdef __cplusplus
 }

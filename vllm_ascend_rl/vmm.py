@@ -1,6 +1,7 @@
 """The package's native library (``csrc/``, built by every install as ``vllm_ascend_rl.libvmm``)
-through ctypes, which releases the GIL for every call: the sleep allocator's virtual-memory back
-ends (vmm.h), its allocation table (vmm_table.h) and the CPU stand-in's staging copy.
+through ctypes, which releases the GIL for every call: the sleep allocator's allocation table
+(vmm_table.h) over virtual-memory back ends (vmm.h): its own (``acl``), or another library's
+added by :func:`add_backend` (the CPU stand-in's ``host``).
 
 A failing back-end call raises ``VmmError(code, message)``, whose ``op`` names it
 (``"host.map"``). Addresses, sizes and handles must be ints in ``[0, 2**64)``: ctypes would wrap
@@ -14,8 +15,7 @@ from ctypes import CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_int
 from ctypes import c_uint64 as u64
 
 LIBRARY: str = importlib.util.find_spec("vllm_ascend_rl.libvmm").origin
-# The pluggable-allocator entry points (torch_npu's NPUPluggableAllocator and the host pair).
-HOST_MALLOC, HOST_FREE = "vllm_ascend_rl_host_malloc", "vllm_ascend_rl_host_free"
+# The pluggable-allocator entry points (torch_npu's NPUPluggableAllocator).
 NPU_MALLOC, NPU_FREE = "vllm_ascend_rl_npu_malloc", "vllm_ascend_rl_npu_free"
 TAG_BYTES = 64  # VMM_TAG_BYTES: a tag is at most 63 bytes
 
@@ -81,7 +81,6 @@ for _name, _res, _args in (
     ("vmm_table_wake", _Status, [u64, u64, c_int]),
     ("vmm_table_free", _Status, [u64, u64]),
     ("vmm_table_retag", c_int, [u64, u64, c_char_p]),
-    ("vmm_host_copy", c_int, [u64, u64, u64, u64]),
 ):
     getattr(_lib, _name).restype, getattr(_lib, _name).argtypes = _res, _args
 
@@ -101,8 +100,16 @@ def _tag(tag: str) -> bytes:
     return raw
 
 
+_ADDED: dict[str, _BackendP] = {}
+
+
+def add_backend(name: str, address: int) -> None:
+    """Make the vmm.h ``VmmBackend`` at ``address``, another library's, the back end ``name``."""
+    _ADDED[name] = ctypes.cast(address, _BackendP)
+
+
 def _backend(name: str) -> _BackendP:
-    found = _lib.vmm_backend(name.encode())
+    found = _ADDED.get(name) or _lib.vmm_backend(name.encode())
     if not found:
         raise ValueError(f"VMM back end {name!r} is not built in this extension")
     return found
@@ -126,7 +133,7 @@ def _row(e: _Entry) -> tuple[int, int, int, int, bool, str, int]:
 
 
 def backends() -> tuple[str, ...]:
-    return tuple(n for n in ("host", "acl") if _lib.vmm_backend(n.encode()))
+    return (*_ADDED, *(n for n in ("acl",) if _lib.vmm_backend(n.encode())))
 
 
 def maps_zeroed(backend: str) -> bool:
@@ -202,9 +209,3 @@ def table_free(addr: int, id_: int = 0) -> bool:
 
 def table_retag(addr: int, id_: int, tag: str) -> bool:
     return bool(_lib.vmm_table_retag(_u64(addr), _u64(id_), _tag(tag)))
-
-
-def host_copy(dst: int, src: int, nbytes: int, threads: int) -> None:
-    """memcpy of host memory the caller owns (contiguous, at least nbytes) on a few threads."""
-    if _lib.vmm_host_copy(_u64(dst), _u64(src), _u64(nbytes), _u64(threads)):
-        raise ValueError("host_copy: a null address, or source and destination overlap")

@@ -16,7 +16,7 @@ chip disturb each other's KV-cache sizing):
 How many chips, and how much memory each has, is the Ascend CI runner's
 (``.github/ascend-runner.json``, which the workflow runs on): on NPU the pool holds that many
 chips when ``VLLM_ASCEND_RL_CHIPS`` says so (the workflow does), else every visible one; on CPU
-it hands out that many emulated chips (``vllm_ascend_rl.device.cpu.chip``) of that memory,
+it hands out that many emulated chips (``npu_standin.chip``) of that memory,
 device-wide through a ledger of this process, and a CPU worker sizes its start-up from it as
 vllm-ascend does. So a layout that does not fit the runner fails on CPU first: a server
 refused at start-up for want of free memory, or the pool's own check that the servers on a chip
@@ -39,8 +39,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from npu_standin.chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_ENV
+
 from vllm_ascend_rl.device import device_kind
-from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_ENV
 from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
 
 RUNNER_FILE = Path(__file__).resolve().parents[2] / ".github" / "ascend-runner.json"
@@ -49,8 +50,8 @@ RUNNER_FILE = Path(__file__).resolve().parents[2] / ".github" / "ascend-runner.j
 # quarter of it (16 GiB of 64) to trainer processes; 0.15 x 64 GiB gives a tiny model's KV
 # cache gigabytes (tests/unit/test_chip_layout.py counts the suite as it is).
 MEMORY_FRACTION = "0.15"
-CPU_CHIP_WORKER = "vllm_ascend_rl.device.cpu.worker.ChipCPUWorker"
-CPU_SLEEPABLE_WORKER = "vllm_ascend_rl.device.cpu.worker.SleepableCPUWorker"
+CPU_CHIP_WORKER = "npu_standin.worker.ChipCPUWorker"
+CPU_SLEEPABLE_WORKER = "npu_standin.worker.SleepableCPUWorker"
 NPU_SLEEPABLE_WORKER = "vllm_ascend_rl.worker.npu_worker.SleepableNPUWorker"
 
 

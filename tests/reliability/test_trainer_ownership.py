@@ -25,7 +25,7 @@ from tests.support.trainer import TrainerError, TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
 # The shared HCCL engine's sleepable worker has vllm-ascend's NPUWorker weight-update lifecycle
-# (no reset_weight_update_target: device/cpu/worker.py NPUWorkerLifecycle).
+# (no reset_weight_update_target: npu_standin/worker.py NPUWorkerLifecycle).
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.reliability,

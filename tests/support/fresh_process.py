@@ -18,7 +18,7 @@ PRELOAD = [
     "vllm.distributed.weight_transfer.factory",
     "vllm.device_allocator.sleep_mode_backend",
     "vllm_ascend_rl.sleep.backend",
-    "vllm_ascend_rl.device.cpu",
+    "npu_standin",
 ]
 
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
+from npu_standin.device import CpuDevice
 
 from tests.support import free_port
 from vllm_ascend_rl.device import get_device
-from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.wire import Verdict, signature
 

@@ -23,7 +23,7 @@ from tests.support.fresh_process import run_fresh as run
 
 def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():
     out = run("""
-        from vllm_ascend_rl.device.cpu.chip import claim_chip
+        from npu_standin.chip import claim_chip
         from vllm_ascend_rl.sleep.allocator import CaMemAllocator
         from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
         backend = CaMemSleepBackend()          # vLLM's factory, in the worker's __init__
@@ -43,7 +43,7 @@ def test_the_sleep_backend_uses_the_allocator_the_worker_made_for_its_chip():
 def test_an_allocator_made_for_chip_0_fails_on_the_worker_of_chip_1():
     """e2f0888's order: the allocator was made before init_device, on device 0."""
     out = run("""
-        from vllm_ascend_rl.device.cpu.chip import claim_chip
+        from npu_standin.chip import claim_chip
         from vllm_ascend_rl.sleep.allocator import CaMemAllocator
         allocator = CaMemAllocator.get_instance("host", device=0)
         claim_chip(1)
@@ -75,7 +75,7 @@ def test_the_allocator_refuses_to_guess_or_change_its_device(call, words):
 
 def test_a_process_serves_one_chip():
     out = run("""
-        from vllm_ascend_rl.device.cpu.chip import claim_chip
+        from npu_standin.chip import claim_chip
         claim_chip(1)
         claim_chip(1)
         claim_chip(2)
@@ -86,8 +86,9 @@ def test_a_process_serves_one_chip():
 def test_a_process_is_on_the_chip_it_claimed_else_on_its_rank(monkeypatch):
     """No caller names the chip: an engine worker's claim, else the ``torch.distributed`` rank
     (a trainer rank), else 0."""
+    from npu_standin import chip
+
     from vllm_ascend_rl.device import current_device, device_for
-    from vllm_ascend_rl.device.cpu import chip
 
     monkeypatch.setattr(chip, "_CLAIMED", [])
     monkeypatch.setattr(chip.dist, "is_initialized", lambda: False)
@@ -121,7 +122,7 @@ def other_server():
 
 
 def test_servers_on_one_chip_started_one_after_the_other_fit(ledger, other_server):
-    from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES, ChipMemory, StartupMemory
+    from npu_standin.chip import CHIP_BYTES, ChipMemory, StartupMemory
 
     chip = ChipMemory(3)
     chip.record(int(0.4 * CHIP_BYTES), pid=other_server)  # the first server is up
@@ -135,7 +136,7 @@ def test_a_server_starting_while_another_on_its_chip_profiles_gets_no_kv_cache(
 ):
     """e2f0888's NPU layout: two servers on one chip started together. The other's start-up
     lands in this worker's profile window and counts as this worker's own use."""
-    from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES, ChipMemory, StartupMemory
+    from npu_standin.chip import CHIP_BYTES, ChipMemory, StartupMemory
 
     chip = ChipMemory(0)
     start = StartupMemory.take(chip, 0.4)
@@ -145,7 +146,7 @@ def test_a_server_starting_while_another_on_its_chip_profiles_gets_no_kv_cache(
 
 
 def test_two_servers_of_half_a_chip_each_never_fit_on_it(ledger, other_server):
-    from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES, ChipMemory, StartupMemory
+    from npu_standin.chip import CHIP_BYTES, ChipMemory, StartupMemory
 
     chip = ChipMemory(0)
     chip.record(int(0.5 * CHIP_BYTES) + (1 << 20), pid=other_server)
@@ -154,7 +155,7 @@ def test_two_servers_of_half_a_chip_each_never_fit_on_it(ledger, other_server):
 
 
 def test_a_process_that_exits_gives_its_chip_memory_back(ledger, other_server):
-    from vllm_ascend_rl.device.cpu.chip import CHIP_BYTES, ChipMemory
+    from npu_standin.chip import CHIP_BYTES, ChipMemory
 
     chip = ChipMemory(5)
     chip.record(1 << 30, pid=other_server)
@@ -166,8 +167,9 @@ def test_a_process_that_exits_gives_its_chip_memory_back(ledger, other_server):
 
 
 def test_a_process_sees_the_host_chips_it_is_given(monkeypatch):
+    from npu_standin.chip import host_chip
+
     from vllm_ascend_rl.device import get_device
-    from vllm_ascend_rl.device.cpu.chip import host_chip
 
     monkeypatch.setenv("VLLM_ASCEND_RL_CPU_CHIPS", "4,6")
     assert [host_chip(0), host_chip(1)] == [4, 6]

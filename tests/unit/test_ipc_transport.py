@@ -298,12 +298,12 @@ def test_cpu_staging_copy_is_exact_on_every_path(nbytes):
 
 
 def test_host_copy_refuses_overlap_and_size_mismatch():
-    from vllm_ascend_rl import vmm
+    from npu_standin.native import host_copy
 
     buf = torch.zeros(16 << 20, dtype=torch.uint8)
     with pytest.raises(ValueError, match="overlap"):
-        vmm.host_copy(buf.data_ptr() + 1, buf.data_ptr(), 8 << 20, 2)
+        host_copy(buf.data_ptr() + 1, buf.data_ptr(), 8 << 20, 2)
     with pytest.raises(ValueError, match="null"):
-        vmm.host_copy(0, buf.data_ptr(), 8, 2)
+        host_copy(0, buf.data_ptr(), 8, 2)
     with pytest.raises(ValueError, match="bytes into"):
         get_device("cpu").copy_bytes(buf[: 9 << 20], buf[10 << 20 :])

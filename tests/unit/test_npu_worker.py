@@ -15,10 +15,10 @@ import types
 
 import pytest
 import torch
+from npu_standin.device import CpuDevice
 from vllm.utils.import_utils import resolve_obj_by_qualname
 
 import vllm_ascend_rl.device as device_mod
-from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 
 

@@ -13,11 +13,12 @@ import time
 
 import pytest
 import torch
+from npu_standin import native
+from npu_standin.device import CpuDevice
+from npu_standin.host_pool import host_tensor
 
 from tests.unit.test_camem_allocator import fill
 from vllm_ascend_rl import vmm
-from vllm_ascend_rl.device.cpu.device import CpuDevice
-from vllm_ascend_rl.device.cpu.host_pool import host_tensor
 from vllm_ascend_rl.sleep import allocator as allocator_mod
 from vllm_ascend_rl.sleep.allocator import PERSISTENT_TAG, CaMemAllocator, SleepError
 
@@ -367,34 +368,36 @@ def test_host_pool_serves_only_what_it_can(cleanup):
     assert len(a.allocations) == 0
 
 
-def _host_entry_points():
-    """The host malloc/free pair through ctypes.CDLL (which releases the GIL for the call)."""
+def _entry_points():
+    """The table's malloc/free pair, which torch_npu's ACL pair calls (vmm_entry.cpp), through
+    ctypes.CDLL (which releases the GIL for the call)."""
     lib = ctypes.CDLL(vmm.LIBRARY)
-    malloc, free = getattr(lib, vmm.HOST_MALLOC), getattr(lib, vmm.HOST_FREE)
+    malloc, free = lib.vmm_entry_malloc, lib.vmm_entry_free
     malloc.restype = ctypes.c_void_p
-    malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    malloc.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+    free.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     return malloc, free
 
 
 def test_pluggable_entry_points_record_in_the_table(cleanup, capfd):
-    """The malloc/free entry points torch_npu calls, run over the host back end (the same
-    code as the ACL pair): allocations are tagged with the pool's tag, usable, sleep and wake
-    like any other, and are fully released on free."""
-    malloc, free = _host_entry_points()
+    """The malloc/free entry points torch_npu calls, run over the stand-in's host back end:
+    allocations are tagged with the pool's tag, usable, sleep and wake like any other, and are
+    fully released on free."""
+    malloc, free = _entry_points()
+    host = native.HOST_BACKEND
     a = _allocator()
     cleanup(a)
     with a.use_memory_pool("weights"):
-        ptr = malloc(3 * MiB, 0, None)
+        ptr = malloc(host, 3 * MiB, 0)
     assert ptr and a.allocations[ptr].tag == "weights" and a.allocations[ptr].size >= 3 * MiB
     ctypes.memset(ptr, 7, 3 * MiB)
     a.sleep(offload_tags=("weights",))
     a.wake_up()
     assert ctypes.string_at(ptr, 4) == b"\x07" * 4
-    free(ptr, 3 * MiB, 0, None)
+    free(host, ptr)
     assert ptr not in a.allocations
-    assert not malloc(1 << 60, 0, None) and a.allocations == {}  # refused, nothing recorded
-    free(ptr, 3 * MiB, 0, None)  # not (any more) ours: ignored
+    assert not malloc(host, 1 << 60, 0) and a.allocations == {}  # refused, nothing recorded
+    free(host, ptr)  # not (any more) ours: ignored
     err = capfd.readouterr().err
     assert "host reserve at 0x0 failed" in err and "which the sleep allocator did not make" in err
 
@@ -409,8 +412,9 @@ NATIVE_THREAD_C = r"""
 #include <time.h>
 
 struct job {
-  void* (*malloc)(ssize_t, int, void*);
-  void (*free)(void*, ssize_t, int, void*);
+  void* (*malloc)(const void*, ssize_t, int);
+  void (*free)(const void*, void*);
+  const void* backend;
   ssize_t size;
   void* ptr; /* NULL: malloc into it; else: free it */
 };
@@ -418,9 +422,9 @@ struct job {
 static void* run(void* arg) {
   struct job* j = arg;
   if (j->ptr == NULL) {
-    j->ptr = j->malloc(j->size, 0, NULL);
+    j->ptr = j->malloc(j->backend, j->size, 0);
   } else {
-    j->free(j->ptr, j->size, 0, NULL);
+    j->free(j->backend, j->ptr);
     j->ptr = NULL;
   }
   return NULL;
@@ -449,6 +453,7 @@ class _Job(ctypes.Structure):
     _fields_ = [
         ("malloc", ctypes.c_void_p),
         ("free", ctypes.c_void_p),
+        ("backend", ctypes.c_void_p),
         ("size", ctypes.c_ssize_t),
         ("ptr", ctypes.c_void_p),
     ]
@@ -475,11 +480,8 @@ def test_entry_points_take_no_gil(native_thread, cleanup):
     they did through Python callbacks) could not finish, and the wait would time out."""
     a = _allocator()
     cleanup(a)
-    lib = ctypes.CDLL(vmm.LIBRARY)
-    entry = [
-        ctypes.cast(getattr(lib, n), ctypes.c_void_p) for n in (vmm.HOST_MALLOC, vmm.HOST_FREE)
-    ]
-    job = _Job(entry[0].value, entry[1].value, 2 * MiB, None)
+    entry = [ctypes.cast(f, ctypes.c_void_p).value for f in _entry_points()]
+    job = _Job(*entry, native.HOST_BACKEND, 2 * MiB, None)
     starter, holding_gil = ctypes.CDLL(native_thread), ctypes.PyDLL(native_thread)
     holding_gil.wait_job.argtypes = [ctypes.c_ulong, ctypes.c_int]
     starter.join_job.argtypes = [ctypes.c_ulong]
@@ -500,15 +502,16 @@ def test_an_asleep_allocation_freed_through_the_entry_point_is_released_once(cle
     """[S4] Sleep changed the allocation's state in the table, so the entry point's free sees
     it: it releases the address range and nothing else. A second unmap or handle free would
     be logged (the host handle is gone: EBADF)."""
-    malloc, free = _host_entry_points()
+    malloc, free = _entry_points()
+    host = native.HOST_BACKEND
     a = _allocator()
     cleanup(a)
     with a.use_memory_pool("kv_cache"):
-        ptr = malloc(2 * MiB, 0, None)
+        ptr = malloc(host, 2 * MiB, 0)
     handle = a.allocations[ptr].handle
     a.sleep()
     assert a.allocations[ptr].handle is None and not a.allocations[ptr].mapped
-    free(ptr, 2 * MiB, 0, None)
+    free(host, ptr)
     assert ptr not in a.allocations and "vllm_ascend_rl" not in capfd.readouterr().err
     with pytest.raises(vmm.VmmError):  # the sleep freed it, once
         vmm.free("host", handle)
@@ -524,7 +527,8 @@ def test_concurrent_entry_point_calls_keep_the_table_consistent(cleanup, capfd):
     """[S4, S8] Four threads malloc and free through the entry points while the main thread
     sleeps and wakes: no address is handed out twice, every free finds its entry, no release
     fails or runs twice, and the table ends empty."""
-    malloc, free = _host_entry_points()
+    malloc, free = _entry_points()
+    host = native.HOST_BACKEND
     a = _allocator()
     cleanup(a)
     live: set[int] = set()
@@ -535,7 +539,7 @@ def test_concurrent_entry_point_calls_keep_the_table_consistent(cleanup, capfd):
         mine: list[int] = []
         try:
             for i in range(150):
-                ptr = malloc((1 + (seed + i) % 4) * 64 * 1024, 0, None)
+                ptr = malloc(host, (1 + (seed + i) % 4) * 64 * 1024, 0)
                 assert ptr, "malloc failed"
                 with guard:
                     assert ptr not in live, "an address handed out twice"
@@ -545,7 +549,7 @@ def test_concurrent_entry_point_calls_keep_the_table_consistent(cleanup, capfd):
                     gone = mine.pop(0)
                     with guard:
                         live.remove(gone)
-                    free(gone, 0, 0, None)
+                    free(host, gone)
         except BaseException as e:
             errors.append(e)
 

@@ -498,11 +498,10 @@ def test_packed_modules():
 
 # -- vLLM: workers and sleep -------------------------------------------------------------------
 def test_memory_pool_hook():
+    from npu_standin.worker import SleepableCPUWorker
     from vllm.v1.worker.cpu_worker import CPUWorker
 
-    from vllm_ascend_rl.device.cpu.worker import SleepableCPUWorker
-
-    where = "device/cpu/worker.py overrides it to put only the KV cache in the sleep allocator"
+    where = "npu_standin/worker.py overrides it to put only the KV cache in the sleep allocator"
     hook = getattr(CPUWorker, "_maybe_get_memory_pool_context", None)
     assert hook is not None, f"vLLM's worker lost _maybe_get_memory_pool_context: {where}"
     assert params(hook) == ["self", "tag"], f"its signature changed ({params(hook)}): {where}"
@@ -519,7 +518,7 @@ def test_worker_rpcs():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     # What the executor calls by name, and what our overrides pass on (worker/__init__.py,
-    # device/cpu/worker.py; worker/npu_worker.py overrides the same names on NPUWorker).
+    # npu_standin/worker.py; worker/npu_worker.py overrides the same names on NPUWorker).
     expected = {
         "sleep": ["self"],  # level has a default
         "wake_up": ["self"],
@@ -542,7 +541,7 @@ def test_worker_rpcs():
             "override it with the old parameters"
         )
         assert name not in optional or optional[name] in params(method), (
-            f"vLLM's worker {name}() lost {optional[name]!r}: device/cpu/worker.py reads it"
+            f"vLLM's worker {name}() lost {optional[name]!r}: npu_standin/worker.py reads it"
         )
 
 
@@ -565,7 +564,7 @@ def test_worker_attributes():
         "(release_for_sleep) reads it"
     )
     assert callable(getattr(GPUModelRunner, "get_model", None)), (
-        "vLLM's model runner lost get_model(): device/cpu/worker.py, worker/npu_worker.py "
+        "vLLM's model runner lost get_model(): npu_standin/worker.py, worker/npu_worker.py "
         "and readiness.py (worker_readiness) reach the model through it"
     )
 
@@ -579,7 +578,7 @@ def test_kv_caches():
             runners.append(importlib.import_module(module).CPUModelRunner)
         except ImportError:
             continue
-    assert runners, "vLLM's CPU model runner moved: device/cpu/worker.py runs on it"
+    assert runners, "vLLM's CPU model runner moved: npu_standin/worker.py runs on it"
     for runner in runners:
         assert any(
             assigns(c, "kv_caches") for c in runner.__mro__ if c.__module__.startswith("vllm.")
@@ -609,11 +608,11 @@ def test_cpu_linear():
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
     assert callable(getattr(layer, "cpu_linear", None)), (
         "vLLM's CPU linear layers no longer keep their packed kernel in layer.cpu_linear: "
-        "device/cpu/worker.py (_discard_packed_linears) frees it at level-2 sleep"
+        "npu_standin/worker.py (_discard_packed_linears) frees it at level-2 sleep"
     )
     layer.cpu_linear = lambda x, weight, bias: "ours"
     assert utils.cpu_unquantized_gemm(layer, None, layer.weight) == "ours", (
-        "vLLM's CPU GEMM no longer calls layer.cpu_linear: device/cpu/worker.py's refusal "
+        "vLLM's CPU GEMM no longer calls layer.cpu_linear: npu_standin/worker.py's refusal "
         "after a level-2 sleep would not run, and weight_transfer/reload.py restores it"
     )
 
@@ -704,8 +703,8 @@ def test_c10d_group():
 
 def test_resource_tracker():
     if "track" in inspect.signature(shared_memory.SharedMemory).parameters:
-        return  # Python >= 3.13: device/cpu/device.py (_attach) passes track=False instead
-    where = "device/cpu/device.py (_attach) keeps this process from unlinking a trainer's segment"
+        return  # Python >= 3.13: npu_standin/device.py (_attach) passes track=False instead
+    where = "npu_standin/device.py (_attach) keeps this process from unlinking a trainer's segment"
     assert params(resource_tracker.unregister) == ["name", "rtype"], (
         f"multiprocessing.resource_tracker.unregister changed: {where}"
     )

@@ -12,9 +12,9 @@ import types
 
 import pytest
 import torch
+from npu_standin.device import CpuDevice
 
 from tests.support.stand_in_config import engine_config
-from vllm_ascend_rl.device.cpu.device import CpuDevice
 from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 from vllm_ascend_rl.weight_transfer import engine as engine_module
 from vllm_ascend_rl.weight_transfer.hccl import (

@@ -1,12 +1,13 @@
-"""The one hardware seam: everything device-specific goes through a :class:`Device`:
-``cpu`` (the stand-in of :mod:`.cpu`: gloo, shared memory, host virtual memory; what CI runs) or
-``npu`` (HCCL, torch_npu IPC, CANN VMM; imported only when asked for). No product module
-outside this package calls torch_npu or imports the CPU stand-in."""
+"""The one hardware seam: everything device-specific goes through a :class:`Device`, found by
+its kind among the ``vllm_ascend_rl.devices`` entry points: ``npu`` (HCCL, torch_npu IPC, CANN
+VMM; imported only when asked for) here, ``cpu`` from the CPU stand-in (``standin/``, what CI
+runs). No product module outside this package calls torch_npu."""
 
 from __future__ import annotations
 
 import os
 from functools import cache
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING
 
 from vllm_ascend_rl.device.base import (  # noqa: F401 (re-exported)
@@ -20,18 +21,21 @@ from vllm_ascend_rl.device.base import (  # noqa: F401 (re-exported)
 if TYPE_CHECKING:
     import torch
 
+DEVICES = "vllm_ascend_rl.devices"  # entry-point group: kind -> Device subclass
+
+
+@cache
+def device_class(kind: str) -> type[Device]:
+    found = entry_points(group=DEVICES, name=kind)
+    if not found:
+        installed = sorted(e.name for e in entry_points(group=DEVICES))
+        raise ValueError(f"no device of kind {kind!r} is installed (installed: {installed})")
+    return next(iter(found)).load()
+
 
 @cache
 def get_device(kind: str, index: int = 0) -> Device:
-    if kind == "cpu":
-        from vllm_ascend_rl.device.cpu.device import CpuDevice
-
-        return CpuDevice(index)
-    if kind == "npu":
-        from vllm_ascend_rl.device.npu import NpuDevice
-
-        return NpuDevice(index)
-    raise ValueError(f"unsupported device kind {kind!r}; expected 'cpu' or 'npu'")
+    return device_class(kind)(index)
 
 
 def device_kind() -> str:
@@ -50,15 +54,7 @@ def current_device() -> Device:
 
 
 def device_for(torch_device: torch.device | str) -> Device:
-    """The :class:`Device` for a torch device: ``npu:N``; ``npu``, the current NPU; ``cpu``,
-    this process's emulated chip (:func:`.cpu.chip.current_chip`)."""
+    """The :class:`Device` for a torch device: ``npu:N``, or without an index the kind's
+    current one (:meth:`Device.current_index`)."""
     kind, _, index = str(torch_device).partition(":")
-    if kind == "cpu":
-        from vllm_ascend_rl.device.cpu.chip import current_chip
-
-        return get_device(kind, current_chip())
-    if kind == "npu" and not index:
-        from vllm_ascend_rl.device.npu import current_index
-
-        return get_device(kind, current_index())
-    return get_device(kind, int(index or 0))
+    return get_device(kind, int(index) if index else device_class(kind).current_index())

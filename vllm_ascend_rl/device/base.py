@@ -110,8 +110,9 @@ def _where(loc: dict) -> str:
 class Device(ABC):
     """What the engines need from an accelerator (or from the host standing in for one)."""
 
-    kind: str  # "cpu" or "npu"
+    kind: str  # its entry point's name (vllm_ascend_rl.device)
     collective_backend: str  # torch.distributed backend name for weight broadcasts
+    vmm_backend: str  # the sleep allocator's virtual-memory back end (vllm_ascend_rl.vmm)
     # Until then a failed collective may still be queued here: no device-wide synchronization.
     hang_until: float = 0.0
 
@@ -119,6 +120,11 @@ class Device(ABC):
         # NPU: the logical index, fixed here because the current device is per thread.
         # CPU: an emulated chip (one per engine worker or trainer rank) for IPC colocation.
         self.index = index
+
+    @classmethod
+    @abstractmethod
+    def current_index(cls) -> int:
+        """The index of the calling thread's current device of this kind."""
 
     @abstractmethod
     def torch_device(self) -> torch.device: ...
@@ -141,7 +147,7 @@ class Device(ABC):
         """A uint8 host buffer the device copies into quickly (pinned on an accelerator)."""
         import torch
 
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.kind != "cpu")
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     @abstractmethod
     def memory_in_use(self) -> int:

@@ -1,6 +1,6 @@
 """Ascend NPU: HCCL collectives and NPU IPC; the only Python module that touches torch_npu.
 Imported lazily, on NPU hosts only. Not yet run on Ascend hardware; CI covers the same engine
-code through :mod:`vllm_ascend_rl.device.cpu`."""
+code through the CPU stand-in (``standin/``)."""
 
 from __future__ import annotations
 
@@ -80,11 +80,6 @@ def nz_format_refusal(additional_config: dict | None = None) -> str | None:
     )
 
 
-def current_index() -> int:
-    """The calling thread's current NPU."""
-    return _torch_npu().npu.current_device()
-
-
 def chips_and_cann() -> tuple[int, str]:
     """The NPUs this process sees (``torch.npu.device_count``, torch_npu ``npu/__init__.py:437``)
     and the CANN version (``torch_npu.npu.utils.get_cann_version("CANN")``, ``utils.py:37-45``),
@@ -117,6 +112,11 @@ def _unb64(text: Any, field: str) -> bytes | None:
 class NpuDevice(Device):
     kind = "npu"
     collective_backend = "hccl"
+    vmm_backend = "acl"
+
+    @classmethod
+    def current_index(cls) -> int:
+        return _torch_npu().npu.current_device()
 
     def __init__(self, index: int = 0) -> None:
         _torch_npu()

@@ -1,6 +1,6 @@
 """CaMemAllocator: tagged allocations that sleep and wake at the same virtual addresses
-(docs/sleep-mode.md). Back ends (``vllm_ascend_rl.vmm``): ``acl`` (CANN virtual memory, fed by
-torch_npu's pluggable allocator) and ``host`` (anonymous mmap; CPU workers and tests).
+(docs/sleep-mode.md), over the device's back end (``vllm_ascend_rl.vmm``): ``acl`` (CANN virtual
+memory, fed by torch_npu's pluggable allocator), or the CPU stand-in's ``host``.
 
 Every allocation's state lives only in the native table (``vmm.table_*``, vmm_table.h),
 which the entry points use without Python (they run under torch_npu's allocator lock, where
@@ -75,8 +75,7 @@ class CaMemAllocator:
                         "the sleep allocator is created by the worker once its device is known "
                         "(after init_device); nothing created it yet"
                     )
-                default = "acl" if device_kind() == "npu" else "host"
-                cls._instance = cls(backend or default, device=device)
+                cls._instance = cls(backend, device=device)
             inst = cls._instance
             if (device is not None and device != inst.device_index) or (
                 backend is not None and backend != inst.backend
@@ -90,12 +89,15 @@ class CaMemAllocator:
 
     def __init__(
         self,
-        backend: str = "host",
+        backend: str | None = None,
         vmm: Any = None,
         device: int = 0,
         keep_backups: bool | None = None,
     ) -> None:
         self.vmm = vmm or vmm_lib
+        self.device_index = device
+        hw = self.device
+        backend = backend or hw.vmm_backend  # loading the device adds its back end
         if backend not in self.vmm.backends():
             raise SleepError(
                 f"VMM back end {backend!r} is not available (built: {self.vmm.backends()})"
@@ -103,7 +105,6 @@ class CaMemAllocator:
         if backend == "acl":
             check_npu_alloc_conf()
         self.backend = backend
-        self.device_index = device
         self.maps_zeroed = bool(self.vmm.maps_zeroed(backend))
         # Off: a colocated trainer gets the backups' host memory back after every wake.
         if keep_backups is None:
@@ -118,7 +119,7 @@ class CaMemAllocator:
         return self._hw(self.device_index)
 
     def _hw(self, index: int) -> Device:
-        return get_device("cpu" if self.backend == "host" else "npu", index)
+        return get_device(device_kind(), index)
 
     # -- allocation ------------------------------------------------------------------
     @property

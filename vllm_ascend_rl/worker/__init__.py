@@ -1,5 +1,5 @@
 """What the sleepable workers share on the ``ascend_rl_camem`` sleep backend: vllm-ascend's NPU
-worker (:mod:`.npu_worker`) and the CPU stand-in's (``device/cpu/worker.py``)."""
+worker (:mod:`.npu_worker`) and the CPU stand-in's (``standin/npu_standin/worker.py``)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,9 @@ import torch
 from torch.distributed import Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
+from npu_standin.chip import check_own_chip, current_chip, host_chip
+from npu_standin.host_pool import HostAllocationMode, host_tensor
+from npu_standin.native import host_copy
 from vllm_ascend_rl.device.base import (
     Device,
     ExportedBuffer,
@@ -28,9 +31,6 @@ from vllm_ascend_rl.device.base import (
     host_identity,
     ipc_buffer_id,
 )
-from vllm_ascend_rl.device.cpu.chip import check_own_chip, host_chip
-from vllm_ascend_rl.device.cpu.host_pool import HostAllocationMode, host_tensor
-from vllm_ascend_rl.vmm import host_copy
 
 SHM_PREFIX = "vllm_ascend_rl_"
 _SHM_NAME = re.compile(rf"^{SHM_PREFIX}[0-9a-f]{{16}}$")
@@ -43,6 +43,11 @@ COPY_THREADS = min(4, os.cpu_count() or 1)
 class CpuDevice(Device):
     kind = "cpu"
     collective_backend = "gloo"
+    vmm_backend = "host"
+
+    @classmethod
+    def current_index(cls) -> int:
+        return current_chip()  # this process's emulated chip
 
     def __init__(self, index: int = 0) -> None:
         super().__init__(index)
@@ -61,6 +66,9 @@ class CpuDevice(Device):
 
     def torch_device(self) -> torch.device:
         return torch.device("cpu")
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)  # host memory already: nothing to pin
 
     def group_backend(
         self, store: Store, rank: int, world_size: int, timeout_s: float, group_id: str

@@ -18,7 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "vmm.h"
+#include "vmm_table.h"  // VMM_API
 
 namespace {
 
@@ -167,7 +167,7 @@ const char* host_describe(int code) { return strerror(code); }
 
 }  // namespace
 
-extern "C" const VmmBackend vmm_host_backend = {
+extern "C" VMM_API const VmmBackend vmm_host_backend = {
     "host",    1,          host_granularity, host_reserve,     host_release,  host_create,
     host_free, host_map,   host_unmap,       host_zero,        host_synchronize, host_describe,
 };

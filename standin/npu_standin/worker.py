@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from npu_standin.chip import ChipMemory, StartupMemory, claim_chip, host_chip
 from vllm_ascend_rl.device import worker_index
-from vllm_ascend_rl.device.cpu.chip import ChipMemory, StartupMemory, claim_chip, host_chip
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import RELOAD_HINT, Readiness
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
@@ -110,7 +110,7 @@ class SleepableCPUWorker(SleepableMixin, NPUWorkerLifecycle, ChipCPUWorker):
     @property
     def allocator(self) -> CaMemAllocator:
         # Made on first use, for this worker's chip, as the NPU worker makes its own.
-        return CaMemAllocator.get_instance("host", device=worker_index(self.parallel_config))
+        return CaMemAllocator.get_instance(device=worker_index(self.parallel_config))
 
     def _maybe_get_memory_pool_context(self, tag: str) -> AbstractContextManager:
         # The weights and the KV cache come from the sleep pools, as on NPU: a level-1 sleep

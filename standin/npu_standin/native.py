@@ -1,0 +1,23 @@
+"""The stand-in's native library (``standin/csrc``): the host virtual-memory back end, which
+importing this module adds to the product's sleep-allocator table as ``host``, and the staging
+copy."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+
+from vllm_ascend_rl import vmm
+
+LIBRARY: str = importlib.util.find_spec("npu_standin.libstandin").origin
+
+_lib = ctypes.CDLL(LIBRARY)
+_lib.standin_host_copy.argtypes = [ctypes.c_uint64] * 4
+HOST_BACKEND = ctypes.addressof(ctypes.c_char.in_dll(_lib, "vmm_host_backend"))  # a VmmBackend
+vmm.add_backend("host", HOST_BACKEND)
+
+
+def host_copy(dst: int, src: int, nbytes: int, threads: int) -> None:
+    """memcpy of host memory the caller owns (contiguous, at least nbytes) on a few threads."""
+    if _lib.standin_host_copy(dst, src, nbytes, threads):
+        raise ValueError("host_copy: a null address, or source and destination overlap")
