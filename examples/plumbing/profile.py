@@ -39,8 +39,6 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from npu_standin.chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_ENV
-
 from vllm_ascend_rl.device import device_kind
 from vllm_ascend_rl.device.npu import RL_ADDITIONAL_CONFIG
 
@@ -78,7 +76,9 @@ class DeviceProfile:
 
     def chips_env(self, chips: Sequence[int]) -> dict[str, str]:
         """Environment that puts a process on ``chips`` (of the host's visible ones)."""
-        if self.kind != "npu":
+        if self.kind != "npu":  # the CPU stand-in's emulated chips (installed by make)
+            from npu_standin.chip import CHIP_BYTES_ENV, LEDGER_ENV, VISIBLE_ENV
+
             return {
                 VISIBLE_ENV: ",".join(map(str, chips)),
                 LEDGER_ENV: chip_pool().ledger,
