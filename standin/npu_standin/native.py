@@ -9,7 +9,9 @@ import importlib.util
 
 from vllm_ascend_rl import vmm
 
-LIBRARY: str = importlib.util.find_spec("npu_standin.libstandin").origin
+_spec = importlib.util.find_spec("npu_standin.libstandin")
+assert _spec is not None and _spec.origin, "npu_standin's library is not built: reinstall it"
+LIBRARY: str = _spec.origin
 
 _lib = ctypes.CDLL(LIBRARY)
 _lib.standin_host_copy.argtypes = [ctypes.c_uint64] * 4
