@@ -121,7 +121,7 @@ def test_source_that_disagrees_with_its_metadata_is_named():
 
 
 def test_receive_pool_recycles_a_buffer_only_when_no_view_is_alive():
-    from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
+    from vllm_ascend_rl.weight_transfer.buckets import ReceivePool
 
     pool = ReceivePool(torch.device("cpu"), max_bytes=2000)
     a = pool.take(1000)
@@ -142,7 +142,7 @@ def test_receive_pool_recycles_a_buffer_only_when_no_view_is_alive():
 
 
 def test_receive_pool_evicts_buffers_of_different_sizes():
-    from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
+    from vllm_ascend_rl.weight_transfer.buckets import ReceivePool
 
     pool = ReceivePool(torch.device("cpu"), max_bytes=3000)
     for n in (1000, 500, 1200):  # idle buffers of unequal sizes, then a larger request
@@ -154,7 +154,7 @@ def test_receive_pool_evicts_buffers_of_different_sizes():
 def test_receive_pool_is_given_back_after_every_update_and_reports_its_peak():
     """Device memory taken after KV sizing must not outlive the update (D7, N13); the peak
     counts buffers the pool handed out but could not keep."""
-    from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
+    from vllm_ascend_rl.weight_transfer.buckets import ReceivePool
 
     pool = ReceivePool(torch.device("cpu"), max_bytes=2000)
     in_use = [pool.take(1000), pool.take(1000), pool.take(1000)]  # the third is not kept

@@ -670,9 +670,9 @@ def test_sleep_mode_backend(tiny_model):
 
 # -- torch and the standard library ------------------------------------------------------------
 def test_storage_use_count():
-    from vllm_ascend_rl.weight_transfer.receive_pool import storage_use_count
+    from vllm_ascend_rl.weight_transfer.buckets import storage_use_count
 
-    where = "weight_transfer/receive_pool.py and npu_ipc.py tell a buffer in use from an idle one"
+    where = "buckets.py (ReceivePool) and npu_ipc.py tell a buffer in use from an idle one"
     buffer = torch.empty(16, dtype=torch.uint8)
     idle = storage_use_count(buffer)
     assert idle is not None, f"torch._C._storage_Use_Count or storage._cdata is gone: {where}"

@@ -16,10 +16,9 @@ from vllm.distributed.weight_transfer.base import TrainerInitInfo
 from vllm_ascend_rl._registration import HCCL_BACKEND
 from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, ReceivePool, pieces
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.engine import AscendRLEngine, TransferFailed, refused
-from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     CheckpointUpdateInfo,

@@ -37,8 +37,7 @@ from vllm_ascend_rl.compat import mtp_check_off
 from vllm_ascend_rl.device import Device
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import Readiness, readiness_of
-from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes, unpack_views
-from vllm_ascend_rl.weight_transfer.receive_pool import ReceivePool
+from vllm_ascend_rl.weight_transfer.buckets import Bucket, ReceivePool, total_bytes, unpack_views
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
 
 if TYPE_CHECKING:
