@@ -85,7 +85,8 @@ for _name, _res, _args in (
     getattr(_lib, _name).restype, getattr(_lib, _name).argtypes = _res, _args
 
 
-def _u64(value: int) -> int:
+def checked_u64(value: int) -> int:
+    """``value``, if an int in ``[0, 2**64)`` (ctypes would wrap -1 silently); else raises."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"expected an int, got {type(value).__name__}")
     if not 0 <= value < 1 << 64:
@@ -143,23 +144,27 @@ def maps_zeroed(backend: str) -> bool:
 
 def reserve(backend: str, size: int, device: int = 0) -> int:
     b, addr = _backend(backend), u64()
-    _check(b, "reserve", b.contents.reserve(_u64(size), device, ctypes.byref(addr)))
+    _check(b, "reserve", b.contents.reserve(checked_u64(size), device, ctypes.byref(addr)))
     return addr.value
 
 
 def map(backend: str, addr: int, size: int, handle: int, populate=False, device=0) -> None:
     b = _backend(backend)
-    _check(b, "map", b.contents.map(_u64(addr), _u64(size), _u64(handle), populate, device))
+    _check(
+        b,
+        "map",
+        b.contents.map(checked_u64(addr), checked_u64(size), checked_u64(handle), populate, device),
+    )
 
 
 def zero(backend: str, addr: int, size: int, device: int = 0) -> None:
     b = _backend(backend)
-    _check(b, "zero", b.contents.zero(_u64(addr), _u64(size), device))
+    _check(b, "zero", b.contents.zero(checked_u64(addr), checked_u64(size), device))
 
 
 def free(backend: str, handle: int, device: int = 0) -> None:
     b = _backend(backend)
-    _check(b, "free", b.contents.free_handle(_u64(handle), device))
+    _check(b, "free", b.contents.free_handle(checked_u64(handle), device))
 
 
 def table_set_tag(tag: str) -> str:
@@ -183,29 +188,33 @@ def table_allocate(backend: str, size: int, tag: str, device: int = 0, populate=
     """Reserve, back and map; recorded in the table. Returns the entry."""
     entry = _Entry()
     b = _backend(backend)
-    _found(_lib.vmm_table_allocate(b, _u64(size), device, populate, _tag(tag), ctypes.byref(entry)))
+    _found(
+        _lib.vmm_table_allocate(
+            b, checked_u64(size), device, populate, _tag(tag), ctypes.byref(entry)
+        )
+    )
     return _row(entry)
 
 
 def table_sleep(addr: int, id_: int) -> bool:
     """Unmap and free the entry's physical memory; False if there is no such entry."""
-    return _found(_lib.vmm_table_sleep(_u64(addr), _u64(id_)))
+    return _found(_lib.vmm_table_sleep(checked_u64(addr), checked_u64(id_)))
 
 
 def table_unmap(addr: int, id_: int) -> bool:
     """Unmap the entry, keeping its physical memory and contents; False if there is none."""
-    return _found(_lib.vmm_table_unmap(_u64(addr), _u64(id_)))
+    return _found(_lib.vmm_table_unmap(checked_u64(addr), checked_u64(id_)))
 
 
 def table_wake(addr: int, id_: int, populate: bool = True) -> bool:
     """Map an unmapped entry: its kept physical memory, else new; False if there is none."""
-    return _found(_lib.vmm_table_wake(_u64(addr), _u64(id_), populate))
+    return _found(_lib.vmm_table_wake(checked_u64(addr), checked_u64(id_), populate))
 
 
 def table_free(addr: int, id_: int = 0) -> bool:
     """Release everything, then forget the entry; False if there is no such entry."""
-    return _found(_lib.vmm_table_free(_u64(addr), _u64(id_)))
+    return _found(_lib.vmm_table_free(checked_u64(addr), checked_u64(id_)))
 
 
 def table_retag(addr: int, id_: int, tag: str) -> bool:
-    return bool(_lib.vmm_table_retag(_u64(addr), _u64(id_), _tag(tag)))
+    return bool(_lib.vmm_table_retag(checked_u64(addr), checked_u64(id_), _tag(tag)))

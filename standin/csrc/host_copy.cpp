@@ -8,11 +8,14 @@
 #include <thread>
 #include <vector>
 
+#include "vmm_table.h"  // VMM_API
+
 constexpr uint64_t kMinPerThread = 4ull << 20;  // below this a thread costs more than it saves
 constexpr uint64_t kMaxThreads = 8;
 
 // EINVAL, copying nothing, if an address is null or the ranges overlap.
-extern "C" __attribute__((visibility("default"))) int standin_host_copy(void* dst_ptr, const void* src_ptr, uint64_t n, uint64_t threads) {
+extern "C" VMM_API int standin_host_copy(void* dst_ptr, const void* src_ptr, uint64_t n,
+                                          uint64_t threads) {
   auto dst = static_cast<unsigned char*>(dst_ptr);
   auto src = static_cast<const unsigned char*>(src_ptr);
   auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);

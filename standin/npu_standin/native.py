@@ -21,5 +21,6 @@ vmm.add_backend("host", HOST_BACKEND)
 
 def host_copy(dst: int, src: int, nbytes: int, threads: int) -> None:
     """memcpy of host memory the caller owns (contiguous, at least nbytes) on a few threads."""
-    if _lib.standin_host_copy(dst, src, nbytes, threads):
+    args = map(vmm.checked_u64, (dst, src, nbytes, threads))
+    if _lib.standin_host_copy(*args):
         raise ValueError("host_copy: a null address, or source and destination overlap")

@@ -305,5 +305,7 @@ def test_host_copy_refuses_overlap_and_size_mismatch():
         host_copy(buf.data_ptr() + 1, buf.data_ptr(), 8 << 20, 2)
     with pytest.raises(ValueError, match="null"):
         host_copy(0, buf.data_ptr(), 8, 2)
+    with pytest.raises(ValueError, match="non-negative"):  # ctypes would wrap it
+        host_copy(-1, buf.data_ptr(), 8, 2)
     with pytest.raises(ValueError, match="bytes into"):
         get_device("cpu").copy_bytes(buf[: 9 << 20], buf[10 << 20 :])
