@@ -234,9 +234,9 @@ class EngineControlClient:
     def collective_rpc(self, method: str, **kwargs: str) -> list[list[Any]] | None:
         """``method`` on every worker of every engine (``/collective_rpc``); results per engine."""
         out = self.request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
-        return (
-            None if out is None else [o.get("results") if isinstance(o, dict) else o for o in out]
-        )
+        if out is None:
+            return None
+        return [o.get("results", []) if isinstance(o, dict) else o for o in out]
 
     def world_size(self) -> int | None:
         out = self.request("GET", "/get_world_size")

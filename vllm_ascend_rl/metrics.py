@@ -123,9 +123,9 @@ class Collector:
         from prometheus_client.core import CounterMetricFamily
 
         series: dict[str, list[tuple[dict[str, str], float]]] = {}
-        for (name, labels), v in self.rows():
+        for (name, pairs), v in self.rows():
             if name in HELP:
-                series.setdefault(name, []).append((dict(labels), v))
+                series.setdefault(name, []).append((dict(pairs), v))
         for name, samples in sorted(series.items()):
             keys = sorted({k for labels, _ in samples for k in labels})
             family = CounterMetricFamily(PREFIX + name, HELP[name], labels=keys)

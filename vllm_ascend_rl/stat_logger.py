@@ -9,11 +9,15 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.logs import get_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = get_logger(__name__)
 
@@ -21,7 +25,7 @@ _serving: set[str] = set()
 
 
 class EngineMetricsLogger(StatLoggerBase):
-    def __init__(self, vllm_config, engine_index: int = 0) -> None:
+    def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
         """Create the workers' directory and read it on every scrape; removed at exit."""
         from prometheus_client import REGISTRY
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -41,7 +45,7 @@ class EngineMetricsLogger(StatLoggerBase):
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
         REGISTRY.register(metrics.Collector(lambda: metrics.engine_rows(directory)))
 
-    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+    def record(self, *args: Any, **kwargs: Any) -> None:
         pass
 
     def log_engine_initialized(self) -> None:

@@ -14,7 +14,10 @@ import importlib.util
 from ctypes import CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_int32, c_size_t
 from ctypes import c_uint64 as u64
 
-LIBRARY: str = importlib.util.find_spec("vllm_ascend_rl.libvmm").origin
+_SPEC = importlib.util.find_spec("vllm_ascend_rl.libvmm")
+if _SPEC is None or not _SPEC.origin:
+    raise ImportError("vllm_ascend_rl.libvmm is not built: reinstall the package")
+LIBRARY: str = _SPEC.origin
 # The pluggable-allocator entry points (torch_npu's NPUPluggableAllocator).
 NPU_MALLOC, NPU_FREE = "vllm_ascend_rl_npu_malloc", "vllm_ascend_rl_npu_free"
 TAG_BYTES = 64  # VMM_TAG_BYTES: a tag is at most 63 bytes
@@ -101,7 +104,7 @@ def _tag(tag: str) -> bytes:
     return raw
 
 
-_ADDED: dict[str, _BackendP] = {}
+_ADDED: dict[str, ctypes._Pointer[_Backend]] = {}
 
 
 def add_backend(name: str, address: int) -> None:
@@ -109,14 +112,14 @@ def add_backend(name: str, address: int) -> None:
     _ADDED[name] = ctypes.cast(address, _BackendP)
 
 
-def _backend(name: str) -> _BackendP:
+def _backend(name: str) -> ctypes._Pointer[_Backend]:
     found = _ADDED.get(name) or _lib.vmm_backend(name.encode())
     if not found:
         raise ValueError(f"VMM back end {name!r} is not built in this extension")
     return found
 
 
-def _check(backend, op: str, err: int) -> None:
+def _check(backend: ctypes._Pointer[_Backend], op: str, err: int) -> None:
     if err:
         b = backend.contents
         raise VmmError(err, b.describe(err).decode(), f"{b.name.decode()}.{op}")
@@ -148,7 +151,9 @@ def reserve(backend: str, size: int, device: int = 0) -> int:
     return addr.value
 
 
-def map(backend: str, addr: int, size: int, handle: int, populate=False, device=0) -> None:
+def map(
+    backend: str, addr: int, size: int, handle: int, populate: bool = False, device: int = 0
+) -> None:
     b = _backend(backend)
     _check(
         b,
@@ -184,7 +189,9 @@ def table_entries(backend: str) -> list[tuple]:
             return [_row(e) for e in out[:n]]
 
 
-def table_allocate(backend: str, size: int, tag: str, device: int = 0, populate=True) -> tuple:
+def table_allocate(
+    backend: str, size: int, tag: str, device: int = 0, populate: bool = True
+) -> tuple:
     """Reserve, back and map; recorded in the table. Returns the entry."""
     entry = _Entry()
     b = _backend(backend)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 ENGINE_CORE_CALLS = frozenset(
@@ -31,7 +32,9 @@ class EngineCoreCall:
 def engine_core_call(scheduler: Any) -> EngineCoreCall:
     """The engine-core call that led to the scheduler method asking (its caller's caller)."""
     found = EngineCoreCall()
-    frame = sys._getframe(2)  # skip this function and the scheduler method that asked
+    frame: FrameType | None = sys._getframe(
+        2
+    )  # skip this function and the scheduler method that asked
     for _ in range(_MAX_DEPTH):
         if frame is None:
             break

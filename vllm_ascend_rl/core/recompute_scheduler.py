@@ -79,7 +79,10 @@ class RecomputeScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_bounce_with_connector(kwargs.get("vllm_config") or args[0])
         super().__init__(*args, **kwargs)
-        self.recompute_mode = recompute_mode_from(self.vllm_config.additional_config)
+        additional = self.vllm_config.additional_config
+        self.recompute_mode = recompute_mode_from(
+            additional if isinstance(additional, dict) else None
+        )
         self.num_bounced = 0
         self._in_schedule = False
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet

@@ -132,7 +132,7 @@ def _cann_and_chips() -> Check:
     release = _release(cann)
     if release is None:
         return warn(STACK, name, f"{found}: the version is not understood", tested)
-    if release < _release(CANN_TESTED):
+    if release < (_release(CANN_TESTED) or ()):
         return warn(STACK, name, found, tested)
     return ok(STACK, name, found)
 

@@ -187,7 +187,11 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                 continue
             yield f"data: {json.dumps(held)}\n\n".encode()
             if piece.usage is not None:
-                usage = {"id": first_id, "choices": [], "usage": completion.usage(piece.usage)}
+                usage: dict[str, Any] = {
+                    "id": first_id,
+                    "choices": [],
+                    "usage": completion.usage(piece.usage),
+                }
                 yield f"data: {json.dumps(usage)}\n\n".encode()
             yield b"data: [DONE]\n\n"
             return
@@ -230,6 +234,7 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
         params = list(request.query_params.multi_items())
         try:
             out = await asyncio.to_thread(ctl.request, request.method, route, params, body)
+            assert out is not None  # a client of node rank 0 always asks
             agreed = ctl.agreed(out, route)
         except EngineControlError as e:
             failures = getattr(e, "failures", {e.url: e})

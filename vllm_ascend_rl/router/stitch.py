@@ -51,6 +51,7 @@ class Completion:
     def next_body(self, stream: bool) -> dict:
         body = dict(self.client_body, return_token_ids=True, stream=stream)
         if self.generated:
+            assert self.prompt_ids is not None  # absorb() resends only knowing the prompt's ids
             body["prompt"] = self.prompt_ids + self.generated
             for key in ("max_tokens", "min_tokens"):
                 if body.get(key) is not None:

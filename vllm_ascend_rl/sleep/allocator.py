@@ -281,7 +281,7 @@ class CaMemAllocator:
 
     def _restore(self, alloc: Allocation) -> None:
         """Fill a just-woken allocation: its backup if current, else zeros."""
-        if alloc.has_backup:
+        if alloc.has_backup and alloc.backup is not None:
             self._hw(alloc.device).write_device(alloc.addr, alloc.backup)
         elif not self.maps_zeroed:
             self._call("zero", self.backend, alloc.addr, alloc.size, alloc.device)
@@ -339,7 +339,7 @@ class CaMemAllocator:
             return False
         return True
 
-    def _call(self, op: str, *args):
+    def _call(self, op: str, *args: Any) -> Any:
         """``self.vmm.op(*args)``, a VmmError raised as SleepError naming the failed call."""
         try:
             return getattr(self.vmm, op)(*args)

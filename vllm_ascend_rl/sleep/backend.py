@@ -5,8 +5,12 @@ the KV cache; 2 releases everything, and the weights must be reloaded after waki
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
+
+if TYPE_CHECKING:
+    from vllm.device_allocator.sleep_mode_backend import SleepModeState
 
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.sleep.allocator import CaMemAllocator
@@ -35,7 +39,7 @@ class CaMemSleepBackend(SleepModeBackend):
     def discard(self, tags: tuple[str, ...]) -> None:
         self.allocator.discard(tags)
 
-    def state(self) -> str:
+    def state(self) -> SleepModeState:
         """``RUNNING`` while every tag is resident (also before the allocator exists)."""
         allocator = CaMemAllocator._instance
         if allocator is None or all(allocator.is_awake(t) for t in allocator.tags()):

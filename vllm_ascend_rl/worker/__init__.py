@@ -4,7 +4,7 @@ worker (:mod:`.npu_worker`) and the CPU stand-in's (``standin/npu_standin/worker
 from __future__ import annotations
 
 import gc
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, worker_readiness
@@ -12,6 +12,9 @@ from vllm_ascend_rl.weight_transfer.connection import NotOwner
 from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+    from vllm_ascend_rl.sleep.allocator import CaMemAllocator
     from vllm_ascend_rl.sleep.backend import CaMemSleepBackend
 
 
@@ -27,7 +30,7 @@ def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
     metrics.engine_worker(worker.vllm_config, worker_index(worker.vllm_config.parallel_config))
     model_config = worker.vllm_config.model_config
     model_config.sleep_mode_backend = CAMEM_BACKEND
-    return SleepModeBackendFactory.create_backend(model_config)
+    return cast("CaMemSleepBackend", SleepModeBackendFactory.create_backend(model_config))
 
 
 def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> int:
@@ -68,6 +71,13 @@ class SleepableMixin(StartupAddressLedger):
     are loaded. ``memory_in_use`` (via ``/collective_rpc``) reports the device memory the
     worker's process holds."""
 
+    vllm_config: VllmConfig  # the worker class it is mixed into sets it
+
+    if TYPE_CHECKING:
+
+        @property
+        def allocator(self) -> CaMemAllocator: ...  # each worker's, for its device
+
     @property
     def readiness(self) -> ModelReadiness:
         """The model's readiness; its changes reach the step gate, with or without a
@@ -93,7 +103,7 @@ class SleepableMixin(StartupAddressLedger):
         in the engine (cause ``not_owner``), the record stays too: the owner's next call goes
         on."""
         try:
-            super().update_weights(*args, **kwargs)
+            super().update_weights(*args, **kwargs)  # type: ignore[misc]  # the worker's
         except Exception as e:
             if getattr(e, "cause", None) == NotOwner.cause:
                 self._weight_update_active = True
@@ -108,7 +118,7 @@ class SleepableMixin(StartupAddressLedger):
             keep_old = self.readiness.state is not Readiness.DISCARDED
             reload_from_disk(self, kwargs["weights_path"], keep_old=keep_old)
         else:
-            super().reload_weights(*args, **kwargs)
+            super().reload_weights(*args, **kwargs)  # type: ignore[misc]  # the worker's
         self.readiness.set(Readiness.WHOLE)
 
     def memory_in_use(self) -> dict[str, int]:

@@ -7,7 +7,8 @@ device)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from vllm_ascend_rl.compat import mtp_check_off
 from vllm_ascend_rl.weight_transfer.buckets import TensorSpec
@@ -19,6 +20,9 @@ from vllm_ascend_rl.weight_transfer.validation import (
     expected_params,
     validate_update,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def reload_from_disk(worker: Any, weights_path: str, keep_old: bool) -> None:
@@ -43,7 +47,7 @@ def reload_from_disk(worker: Any, weights_path: str, keep_old: bool) -> None:
     except Exception as e:  # a refusal, or a header that cannot be read
         raise ValueError(f"reload_weights refused {weights_path!r}, nothing changed: {e}") from e
 
-    def tensors():
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for path in files:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
