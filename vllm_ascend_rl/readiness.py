@@ -5,9 +5,10 @@ from disk set it. vLLM's workers and vllm-ascend's ``NPUWorker`` (``worker.py:71
 reads it from too. Neither ``core`` nor ``weight_transfer`` imports the other: both meet here.
 
 The plugin scheduler learns it from a :class:`StepGate`, at every step and every resume: each
-worker announces its readiness when it changes, as a line on a Unix stream socket in Linux's
-abstract namespace that the scheduler listens on (no file to clean up), sent before the call
-that changed it returns to the engine core. The engine core runs those calls and the steps on one
+worker announces its readiness when it changes, and the sleepable workers which of their memory
+pools a sleep released, as a line on a Unix stream socket in Linux's abstract namespace that
+the scheduler listens on (no file to clean up), sent before the call that changed it returns to
+the engine core. The engine core runs those calls and the steps on one
 thread, so the step after ``start_weight_update`` already sees the update open, with no
 per-step call to the workers; graph replay cannot skip a check that runs before the step is
 scheduled."""
@@ -15,11 +16,9 @@ scheduled."""
 from __future__ import annotations
 
 import json
-import math
 import select
 import socket
-import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from enum import Enum, IntEnum
 from typing import Any
 from weakref import WeakKeyDictionary
@@ -54,27 +53,33 @@ class StepHold(IntEnum):
 
 
 class ModelReadiness:
-    """The model's weights: whole, or why not (``reason``); announced to the step gate once a
-    weight-transfer engine gave the address (:meth:`announce_to`)."""
+    """The model's weights: whole, or why not (``reason``), and the worker's memory pools a
+    sleep left released; announced to the step gate once a weight-transfer engine or the
+    sleepable worker gave the address (:meth:`announce_to`)."""
 
     def __init__(self) -> None:
         self.state = Readiness.WHOLE
         self.reason: str | None = None
-        self.idle_s = math.inf  # UPDATING: the scheduler ends the update after this long idle
-        self.abandon: Callable[[], None] | None = None  # ends an open update (the engine's)
+        self.released: list[str] = []  # the sleep pools not resident now (tags)
         self._gate: tuple[str, int] | None = None  # the step gate's address, this worker
         self._link: socket.socket | None = None
 
-    def set(self, state: Readiness, reason: str | None = None, idle_s: float = math.inf) -> None:
-        """``reason`` for NOT_WHOLE; the others say it themselves. Setting UPDATING again
-        restarts its idle clock."""
-        self.state, self.idle_s = state, idle_s
+    def set(self, state: Readiness, reason: str | None = None) -> None:
+        """``reason`` for NOT_WHOLE; the others say it themselves."""
+        self.state = state
         self.reason = None if state is Readiness.WHOLE else reason or state.value
         self._announce()
 
-    def announce_to(self, vllm_config: Any, worker: int) -> None:
-        """Announce every change from now on to the step gate of ``vllm_config``'s engine."""
-        self._gate = (gate_address(vllm_config), worker)
+    def set_released(self, tags: Iterable[str]) -> None:
+        """The worker's sleep pools that are not resident now: a resume is refused while any
+        is (a step would run on released memory)."""
+        self.released = sorted(tags)
+        self._announce()
+
+    def announce_to(self, address: str, worker: int) -> None:
+        """Announce every change from now on to the step gate at ``address`` (its
+        :func:`gate_address`), as worker ``worker``."""
+        self._gate = (address, worker)
 
     def step_hold(self, vllm_config: Any) -> StepHold:
         """What holds this worker's engine core's steps while an update is open: a gate is
@@ -105,8 +110,8 @@ class ModelReadiness:
         news = {
             "worker": self._gate[1],
             "reason": self.reason,
-            "idle_s": min(self.idle_s, 1e9),
             "updating": self.state is Readiness.UPDATING,
+            "released": self.released,
         }
         for _attempt in range(2):  # a link the gate closed is made again once
             link = self._link if self._linked() else None
@@ -134,29 +139,13 @@ def worker_readiness(worker: Any) -> ModelReadiness:
     return readiness_of(worker.model_runner.get_model())
 
 
-def memory_not_resident(engine_core: Any) -> str | None:
-    """Why ``engine_core`` must not generate on its memory now, or None: its executor's memory
-    is not all resident (a sleep, or vLLM 0.32's ``release_kv_cache_memory``)."""
-    executor = engine_core.model_executor
-    if not executor.is_sleeping:
-        return None
-    return (
-        f"memory is not resident ({', '.join(sorted(executor.sleeping_tags))} released), "
-        "and a step would run on it; call /wake_up first"
-    )
-
-
-def end_abandoned_update(worker: Any) -> None:
-    """Run on a worker (the step gate's ``collective_rpc``): end an update left open past its
-    idle bound."""
-    abandon = worker_readiness(worker).abandon
-    if abandon is not None:
-        abandon()
-
-
 def gate_address(vllm_config: Any) -> str:
     """The step gate's socket of one engine core: its instance and data-parallel index (vLLM
-    resets ``data_parallel_rank`` to 0 in every dense DP engine core, not the index)."""
+    resets ``data_parallel_rank`` to 0 in every dense DP engine core, not the index). Read it
+    while the engine core is being built (a worker's ``__init__`` or ``load_model``, the
+    scheduler's ``__init__``): once built, the engine core re-runs ``VllmConfig.__post_init__``
+    (``v1/engine/core.py:1311`` in 0.32.0, ``:1203`` in 0.30.0), which draws a new
+    ``instance_id``."""
     index = vllm_config.parallel_config.data_parallel_index
     return f"\0vllm_ascend_rl.step_gate.{vllm_config.instance_id}.{index}"
 
@@ -181,22 +170,25 @@ class StepGate:
                 f"{vllm_config.parallel_config.data_parallel_index}) holds it"
             ) from e
         self.links: dict[socket.socket, bytes] = {}  # a worker's connection -> partial line
-        # worker -> (reason, idle deadline, whether it is an open update)
-        self.unready: dict[int, tuple[str, float, bool]] = {}
+        self.unready: dict[int, tuple[str, bool]] = {}  # worker -> (reason, an open update?)
+        self.released: dict[int, list[str]] = {}  # worker -> its sleep pools not resident
 
     def reason(self) -> str | None:
         """Why no step may run now (as last read), or None."""
         return next(iter(self.unready.values()))[0] if self.unready else None
 
     def resume_refusal(self) -> str | None:
-        """Why generation must not resume: some worker's model is not whole (as last read). An
-        open update does not refuse a resume: the gate holds the steps until it ends."""
-        return next((why for why, _, updating in self.unready.values() if not updating), None)
-
-    def idle_past_bound(self) -> bool:
-        """Some worker's open update saw no call for its idle bound."""
-        now = time.monotonic()
-        return any(deadline <= now for _, deadline, _ in self.unready.values())
+        """Why generation must not resume (as last read): some worker's model is not whole, or
+        a sleep left some of its memory released. An open update does not refuse a resume: the
+        gate holds the steps until it ends."""
+        why = next((why for why, updating in self.unready.values() if not updating), None)
+        released = sorted({tag for tags in self.released.values() for tag in tags})
+        if why is None and released:
+            why = (
+                f"memory is not resident ({', '.join(released)} released), and a step would "
+                "run on it; call /wake_up first"
+            )
+        return why
 
     def drain(self, wait_s: float = 0.0) -> bool:
         """Read every announcement waiting, first waiting up to ``wait_s`` for one while
@@ -237,9 +229,10 @@ class StepGate:
             data += chunk
 
     def _apply(self, news: dict[str, Any]) -> bool:
+        worker = news["worker"]
+        self.released[worker] = news["released"]
         if news["reason"] is None:
-            self.unready.pop(news["worker"], None)
+            self.unready.pop(worker, None)
             return False
-        deadline = time.monotonic() + news["idle_s"]
-        self.unready[news["worker"]] = (news["reason"], deadline, news["updating"])
+        self.unready[worker] = (news["reason"], news["updating"])
         return True

@@ -25,7 +25,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from tests.support.tiny_model import TinyModelSpec, build_tiny_model
 from tests.support.vllm_features import runner_output_takes_index
-from vllm_ascend_rl.readiness import ModelReadiness
+from vllm_ascend_rl.readiness import ModelReadiness, gate_address
 
 
 class SchedulerHarness:
@@ -143,5 +143,5 @@ def announced(harness: SchedulerHarness, worker: int = 0) -> ModelReadiness:
     """A worker's readiness, announced to the harness scheduler's step gate over the real
     socket, as a weight-transfer engine announces it."""
     readiness = ModelReadiness()
-    readiness.announce_to(harness.vllm_config, worker)
+    readiness.announce_to(gate_address(harness.vllm_config), worker)
     return readiness

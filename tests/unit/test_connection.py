@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -37,8 +38,8 @@ class RecordingLink:  # STAND-IN for a transport's link (see the module docstrin
         self.calls.append("close")
 
 
-def connection() -> Connection[RecordingLink]:
-    return Connection(threading.RLock(), get_device("cpu"))
+def connection(tick: Callable[[], bool] = lambda: False) -> Connection[RecordingLink]:
+    return Connection(threading.RLock(), get_device("cpu"), tick)
 
 
 def up(conn: Connection[RecordingLink], trainer: str = "t1") -> RecordingLink:
@@ -175,3 +176,31 @@ def test_the_connections_thread_closes_the_link_of_a_trainer_that_left(monkeypat
     assert conn.state is ConnState.GONE and link.calls == ["opened", "close"]
     with pytest.raises(NotConnected, match="the trainer left: its process exited"):
         conn.link()
+
+
+def test_the_thread_ticks_on_after_the_trainer_left_while_the_tick_says_so(monkeypatch):
+    """The engine's tick ends an update left idle: it must run after the trainer died too (no
+    call will come), and the thread ends once the tick has nothing left to watch."""
+    monkeypatch.setattr(connection_module, "WATCH_TICK_S", 0.01)
+    ticks: list[ConnState] = []
+    open_update = threading.Event()
+    open_update.set()
+
+    def tick() -> bool:
+        ticks.append(conn.state)
+        return open_update.is_set()
+
+    conn = connection(tick)
+    link = up(conn)
+    deadline = time.monotonic() + 10
+    while not ticks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    link.gone = "its process exited"
+    while ConnState.GONE not in ticks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ticks[0] is ConnState.UP and ticks[-1] is ConnState.GONE
+    open_update.clear()  # the tick ended the update
+    thread = conn._thread
+    assert thread is not None
+    thread.join(10)
+    assert not thread.is_alive()

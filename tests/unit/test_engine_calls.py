@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import types
 
-import pytest
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.engine.core import EngineCore
 
@@ -37,7 +36,6 @@ def test_resume_is_seen_with_its_engine_core():
     ((state, call),) = sched.calls
     assert state == PauseState.UNPAUSED
     assert call.name == "resume_scheduler", "vLLM's /resume no longer reaches set_pause_state"
-    assert call.engine_core is core  # the resume check asks this engine core's workers
 
 
 def test_wake_up_is_told_apart_from_resume():
@@ -57,31 +55,13 @@ def test_sleep_is_seen_with_its_level():
 
 
 def test_another_engine_cores_call_is_not_ours():
+    """Data parallel: another engine core's wake_up on the stack is not this scheduler's."""
     core, sched = skeleton()
     other, _ = skeleton()
-    other.scheduler = object()  # a different engine (data parallel) on the stack
-    EngineCore.resume_scheduler(core)
-    assert sched.calls[0][1].engine_core is core
+    other.scheduler = object()
+    other.model_executor.wake_up = lambda tags: EngineCore.resume_scheduler(core)
+    other.model_executor.is_sleeping = True  # so its own wake_up does not resume it
+    EngineCore.wake_up(other, ["weights"])
+    assert sched.calls[0][1].name == "resume_scheduler"
     sched.set_pause_state(PauseState.PAUSED_NEW)  # not from an engine-core call
     assert sched.calls[1][1].name is None
-
-
-class _Scheduled(Exception):
-    """Stops vLLM's step once the scheduler has been asked."""
-
-
-def test_a_step_is_seen_with_its_engine_core():
-    """The step gate ends an abandoned update through the engine core of the step asking."""
-    core, sched = skeleton()
-    sched.has_requests = lambda: True
-
-    def schedule(*args):
-        sched.calls.append((None, engine_core_call(sched)))
-        raise _Scheduled
-
-    sched.schedule = schedule
-    with pytest.raises(_Scheduled):
-        EngineCore.step(core)
-    ((_, call),) = sched.calls
-    assert call.name == "step", "vLLM's step no longer asks the scheduler to schedule"
-    assert call.engine_core is core

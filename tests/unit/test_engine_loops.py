@@ -145,7 +145,7 @@ def test_a_closed_gate_ends_the_dp_wave_instead_of_running_dummy_batches():
     assert all(core.model_executor.ran[-1] == 1 for core in cores)
     workers = [announced(core.harness) for core in cores]
     for w in workers:
-        w.set(Readiness.UPDATING, idle_s=60)
+        w.set(Readiness.UPDATING)
     before = [len(core.model_executor.ran) for core in cores]
     iterations[:] = [40, 40]  # more than a DP sync interval (16 in vLLM 0.32)
     in_threads(DPEngineCoreProc.run_busy_loop, cores)
@@ -194,7 +194,7 @@ def test_an_update_with_a_batch_in_flight_holds_steps_and_recomputes(tiny_model,
     if paused:
         sched.set_pause_state(PauseState.PAUSED_ALL)  # what /pause?mode=keep sets first
     worker = announced(core.harness)
-    worker.set(Readiness.UPDATING, idle_s=60)  # start_weight_update
+    worker.set(Readiness.UPDATING)  # start_weight_update
     ran = len(executor.ran)
     held = steps(core, 4)
     assert all(n == 0 for n in executor.ran[ran:]), executor.ran[ran:]

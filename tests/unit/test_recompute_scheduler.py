@@ -6,11 +6,7 @@ upstream's own code, inherited, never copied.
 
 from __future__ import annotations
 
-import time
-import types
-
 import pytest
-import torch
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -18,7 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from tests.support.scheduler import SchedulerHarness, announced, fake_model_output
 from vllm_ascend_rl.core.recompute_scheduler import AsyncRecomputeScheduler, RecomputeScheduler
-from vllm_ascend_rl.readiness import Readiness, readiness_of
+from vllm_ascend_rl.readiness import Readiness
 
 OURS = [RecomputeScheduler, AsyncRecomputeScheduler]
 UPSTREAM_OF = {RecomputeScheduler: Scheduler, AsyncRecomputeScheduler: AsyncScheduler}
@@ -103,7 +99,7 @@ def test_each_data_parallel_engine_core_has_a_gate_of_its_own(tiny_model):
         )
     )
     requests = [core.add(40) for core in cores]
-    announced(cores[1]).set(Readiness.UPDATING, idle_s=60)  # core 1's worker opens an update
+    announced(cores[1]).set(Readiness.UPDATING)  # core 1's worker opens an update
     assert scheduled(cores[0].step()[0]) == {requests[0].request_id: 40}
     assert cores[1].step()[0].total_num_scheduled_tokens == 0
     with pytest.raises(RuntimeError, match=f"another engine core .*'{instance}', 1.* holds it"):
@@ -120,14 +116,14 @@ def test_an_open_update_holds_every_step_and_running_requests_recompute_on_the_n
     for _ in range(3):
         harness.step()
     worker0, worker1 = announced(harness, 0), announced(harness, 1)
-    worker1.set(Readiness.UPDATING, idle_s=60)  # start_weight_update on one worker is enough
+    worker1.set(Readiness.UPDATING)  # start_weight_update on one worker is enough
     for _ in range(3):
         out, _ = harness.step()
         assert out.total_num_scheduled_tokens == 0, "a step ran during an open update"
     assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
     assert sched.pause_state == PauseState.UNPAUSED  # /is_paused is the user's, unchanged
     queued = harness.add(24)
-    worker0.set(Readiness.UPDATING, idle_s=60)
+    worker0.set(Readiness.UPDATING)
     worker1.set(Readiness.WHOLE)
     assert harness.step()[0].total_num_scheduled_tokens == 0  # worker 0 still loading
     worker0.set(Readiness.WHOLE)  # finish_weight_update
@@ -144,7 +140,7 @@ def test_an_update_that_opened_and_closed_between_steps_still_drops_the_old_kv(h
     harness.step(), harness.step()
     assert first.is_finished()
     worker = announced(harness)
-    worker.set(Readiness.UPDATING, idle_s=60)
+    worker.set(Readiness.UPDATING)
     worker.set(Readiness.WHOLE)
     again = harness.add(64)  # the same prompt: two full blocks cached before the update
     out, _ = harness.step()
@@ -160,7 +156,7 @@ def test_an_update_under_a_pause_keeps_the_kv_cache_as_the_pause_chose(harness):
         harness.step()
     sched.set_pause_state(PauseState.PAUSED_ALL)  # /pause?mode=keep&clear_cache=false
     worker = announced(harness)
-    worker.set(Readiness.UPDATING, idle_s=60)
+    worker.set(Readiness.UPDATING)
     sched.has_requests()  # the engine core reads the gate after the call that opened it
     worker.set(Readiness.WHOLE)
     sched.has_requests()
@@ -190,7 +186,7 @@ def test_a_resume_waits_for_a_model_the_gate_was_told_is_not_whole(harness):
     with pytest.raises(RuntimeError, match="refusing to resume generation: a hold update failed"):
         sched.set_pause_state(PauseState.UNPAUSED)
     assert sched.pause_state == PauseState.PAUSED_NEW
-    worker.set(Readiness.UPDATING, idle_s=60)
+    worker.set(Readiness.UPDATING)
     sched.set_pause_state(PauseState.UNPAUSED)
     assert sched.pause_state == PauseState.UNPAUSED
 
@@ -204,46 +200,30 @@ def test_sixteen_workers_announcing_many_changes_between_two_reads(harness):
     workers = [announced(harness, w) for w in range(16)]
     for _ in range(20):
         for w in workers:
-            w.set(Readiness.UPDATING, idle_s=60)
+            w.set(Readiness.UPDATING)
             w.set(Readiness.WHOLE)
-    workers[7].set(Readiness.UPDATING, idle_s=60)
+    workers[7].set(Readiness.UPDATING)
     assert harness.step()[0].total_num_scheduled_tokens == 0
     workers[7].set(Readiness.WHOLE)
     assert scheduled(harness.step()[0]) == {req.request_id: 40 + 1}
 
 
-class EngineCoreStandIn:
-    """STAND-IN for vLLM's EngineCore around one step: its ``step`` frame and executor are what
-    the step gate reaches (test_engine_calls.py checks vLLM's own step against the same)."""
-
-    def __init__(self, harness, model: torch.nn.Module) -> None:
-        self.scheduler, self.rpcs = harness.scheduler, []
-        worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
-
-        def collective_rpc(method):
-            self.rpcs.append(method.__name__)
-            return [method(worker)]
-
-        self.model_executor = types.SimpleNamespace(collective_rpc=collective_rpc)
-
-    def step(self):
-        return self.scheduler.schedule()
-
-
-def test_an_update_idle_past_its_bound_is_ended_and_steps_resume(harness):
+def test_a_resume_waits_while_a_worker_announced_released_memory(harness):
+    """A sleepable worker announces which sleep pools are released (its sleep backend, after
+    a sleep, a staged wake or a discard): a resume is refused, naming them, until it announces
+    them resident again; steps are not held by it (the sleep's own pause holds them)."""
+    sched = harness.scheduler
     req = harness.add(40)
     harness.step()
-    model = torch.nn.Linear(2, 2)
-    worker = readiness_of(model)
-    worker.announce_to(harness.vllm_config, 0)
-    worker.abandon = lambda: worker.set(Readiness.WHOLE)  # the engine cancels (restore)
-    worker.set(Readiness.UPDATING, idle_s=0.2)
-    core = EngineCoreStandIn(harness, model)
-    assert core.step().total_num_scheduled_tokens == 0 and core.rpcs == []
-    time.sleep(0.25)
-    out = core.step()
-    assert core.rpcs == ["end_abandoned_update"]
-    assert scheduled(out) == {req.request_id: 40 + 1}
+    sched.set_pause_state(PauseState.PAUSED_NEW)
+    worker = announced(harness)
+    worker.set_released(["kv_cache"])  # /release_kv_cache_memory, or a wake of the weights only
+    with pytest.raises(RuntimeError, match=r"memory is not resident \(kv_cache released\)"):
+        sched.set_pause_state(PauseState.UNPAUSED)
+    assert sched.pause_state == PauseState.PAUSED_NEW
+    worker.set_released([])
+    sched.set_pause_state(PauseState.UNPAUSED)
+    assert scheduled(harness.step()[0]) == {req.request_id: 1}
 
 
 def test_reset_prefix_cache_preempts_running_requests_for_recompute(harness):

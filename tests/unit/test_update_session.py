@@ -8,6 +8,8 @@ the reload are visible: begin on start, finish on a completed finish, abort on e
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -253,3 +255,23 @@ def test_every_update_is_counted_once_where_it_ends():
         "refused": 0,
     }
     assert counted("cancelled", "generation_ran") >= 1
+
+
+def test_an_open_update_is_due_to_be_abandoned_only_after_idle_s_without_a_call():
+    """start and every loaded update_weights restart the idle clock; abandoning restores the
+    old weights, and the worker's next call finds the update cancelled."""
+    s = session()
+    s.idle_s = 0.2
+    fire(s, Event.START)
+    assert s.is_open and not s.abandon_due()
+    time.sleep(0.25)
+    assert s.abandon_due()
+    fire(s, Event.RECEIVE), fire(s, Event.LOADED)  # a call came: the clock restarts
+    assert not s.abandon_due()
+    time.sleep(0.25)
+    s.abandon()
+    assert s.state is State.CANCELLED and not s.is_open and not s.abandon_due()
+    assert s.reload.calls[-1] == "abort" and s.readiness.state is Readiness.WHOLE
+    assert "no call came for 0.2 s" in (s.cancelled or "")
+    fire(s, Event.FINISH)
+    assert s.state is State.IDLE

@@ -231,69 +231,6 @@ def test_engine_core_calls():
     # Which calls reach the scheduler, and how: tests/unit/test_engine_calls.py.
 
 
-def test_executor_sleeping_tags():
-    """readiness.memory_not_resident refuses a resume while the executor's ``is_sleeping``: vLLM's
-    Executor keeps it and ``sleeping_tags`` through sleep, partial wakes and (0.32)
-    ``discard``, which ``release_kv_cache_memory`` calls."""
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.executor.abstract import Executor
-
-    where = "readiness.py (memory_not_resident) reads it at every resume"
-
-    class Recording(Executor):  # STAND-IN workers: vLLM's own Executor methods run
-        def _init_executor(self) -> None: ...
-
-        def check_health(self) -> None: ...
-
-        def collective_rpc(self, method, *args, **kwargs):
-            return [None]
-
-    executor = object.__new__(Recording)
-    executor.sleeping_tags = set()  # as Executor.__init__ sets it
-    if not isinstance(inspect.getattr_static(Executor, "is_sleeping", None), property):
-        executor.is_sleeping = False  # vLLM 0.30.0: an attribute, not a property
-    Executor.sleep(executor, level=1)
-    assert executor.is_sleeping and executor.sleeping_tags == {"weights", "kv_cache"}, where
-    Executor.wake_up(executor, ["weights"])
-    assert executor.is_sleeping and executor.sleeping_tags == {"kv_cache"}, where
-    Executor.wake_up(executor, ["kv_cache"])
-    assert not executor.is_sleeping, where
-    if hasattr(EngineCore, "release_kv_cache_memory"):
-        Executor.discard(executor, ("kv_cache",))
-        assert executor.is_sleeping and executor.sleeping_tags == {"kv_cache"}, (
-            f"vLLM's Executor.discard no longer marks the KV cache asleep: {where}, so a "
-            "resume after /release_kv_cache_memory would run on freed memory"
-        )
-        assert "self.model_executor.discard" in inspect.getsource(
-            EngineCore.release_kv_cache_memory
-        ), f"vLLM's release_kv_cache_memory no longer discards through the executor: {where}"
-
-
-def test_model_executor():
-    import torch
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.executor.abstract import Executor
-    from vllm.v1.serial_utils import run_method
-
-    from vllm_ascend_rl.readiness import end_abandoned_update
-
-    where = "the scheduler ends an update left idle past its bound over it (readiness.py)"
-    assert assigns(EngineCore.__init__, "model_executor"), (
-        f"vLLM's EngineCore no longer keeps its executor in self.model_executor: {where}"
-    )
-    assert params(Executor.collective_rpc)[1:2] == ["method"], (
-        f"vLLM's Executor.collective_rpc{inspect.signature(Executor.collective_rpc)}: {where}"
-    )
-    import cloudpickle
-
-    model = torch.nn.Linear(2, 2)  # STAND-IN worker: a model runner holding a model
-    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
-    for method in (end_abandoned_update, cloudpickle.dumps(end_abandoned_update)):
-        assert run_method(worker, method, (), {}) is None, (
-            f"vLLM's workers no longer run a function sent through collective_rpc: {where}"
-        )
-
-
 # -- vLLM: weight transfer and layerwise reload ------------------------------------------------
 def test_worker_update_flag():
     from vllm.config import VllmConfig
@@ -658,7 +595,9 @@ def test_sleep_mode_backend(tiny_model):
         "worker/__init__.py (attach_sleep_backend) selects ours through it"
     )
     parallel = types.SimpleNamespace(data_parallel_index=0, world_size=1, rank=0)
-    config = types.SimpleNamespace(model_config=model_config, parallel_config=parallel)
+    config = types.SimpleNamespace(
+        model_config=model_config, parallel_config=parallel, instance_id="test"
+    )
     worker = types.SimpleNamespace(vllm_config=config)
     backend = attach_sleep_backend(worker)
     assert isinstance(backend, CaMemSleepBackend), (

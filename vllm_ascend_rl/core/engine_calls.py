@@ -3,9 +3,8 @@ call stack. ``/resume`` and ``/wake_up`` both end in ``scheduler.set_pause_state
 (``EngineCore.resume_scheduler``, which ``wake_up`` calls) and the scheduler is never told about
 sleep, so it looks up the stack for the utility method the engine-core client invoked by name
 (``core_client.py``, the same in vLLM 0.27.1 and 0.32). ``tests/unit/test_engine_calls.py``
-runs vLLM's own ``EngineCore`` through this on both releases. A step (``step``,
-``step_with_batch_queue``) is found the same way: the step gate reaches the workers through its
-engine core."""
+runs vLLM's own ``EngineCore`` through this on both releases. An upstream hook would remove it:
+the engine core telling the scheduler why its pause state changes (sleep, wake, resume)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-ENGINE_CORE_CALLS = frozenset(
-    {"sleep", "wake_up", "resume_scheduler", "step", "step_with_batch_queue"}
-)
+ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "resume_scheduler"})
 _MAX_DEPTH = 8  # set_pause_state <- resume_scheduler (DP, then base) <- wake_up <- ...
 
 
@@ -26,21 +23,18 @@ class EngineCoreCall:
 
     name: str | None = None  # one of ENGINE_CORE_CALLS, or None (/pause, a test)
     args: dict[str, Any] = field(default_factory=dict)  # that call's local variables
-    engine_core: Any = None  # lets a resume ask the workers whether their weights are whole
 
 
 def engine_core_call(scheduler: Any) -> EngineCoreCall:
     """The engine-core call that led to the scheduler method asking (its caller's caller)."""
     found = EngineCoreCall()
-    frame: FrameType | None = sys._getframe(
-        2
-    )  # skip this function and the scheduler method that asked
+    frame: FrameType | None = sys._getframe(2)  # this function and the scheduler's method
     for _ in range(_MAX_DEPTH):
         if frame is None:
             break
         owner = frame.f_locals.get("self")
         name = frame.f_code.co_name
         if name in ENGINE_CORE_CALLS and getattr(owner, "scheduler", None) is scheduler:
-            found = EngineCoreCall(name, dict(frame.f_locals), owner)
+            found = EngineCoreCall(name, dict(frame.f_locals))
         frame = frame.f_back
     return found

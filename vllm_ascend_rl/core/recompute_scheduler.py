@@ -21,7 +21,7 @@ from vllm.v1.request import Request, RequestStatus
 from vllm_ascend_rl.core import BOUNCE_STOP_REASON
 from vllm_ascend_rl.core.engine_calls import engine_core_call
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.readiness import StepGate, end_abandoned_update, memory_not_resident
+from vllm_ascend_rl.readiness import StepGate
 
 logger = get_logger(__name__)
 
@@ -109,14 +109,8 @@ class RecomputeScheduler(Scheduler):
             self._pause_state = pause_state
 
     def _step_gate_closed(self) -> bool:
-        """Whether no step may run now; ends an update left idle past its bound first."""
+        """Whether no step may run now."""
         reason = self._read_step_gate()
-        if reason is not None and self.gate.idle_past_bound():
-            call = engine_core_call(self)
-            if call.engine_core is not None:
-                logger.error("ending a weight update nobody finished: %s", reason)
-                call.engine_core.model_executor.collective_rpc(end_abandoned_update)
-            reason = self._read_step_gate()
         if reason is not None:
             reason = self._read_step_gate(GATE_POLL_S)  # no busy loop while it stays closed
         if self._stale_kv:
@@ -188,8 +182,8 @@ class RecomputeScheduler(Scheduler):
 
     def has_requests(self) -> bool:
         # Keeps the engine stepping until a bounce's output is delivered, and while the step
-        # gate holds requests (an update idle past its bound is ended at a step). The engine
-        # core asks after every call it runs: the gate's news is read here even when it is idle.
+        # gate holds requests. The engine core asks after every call it runs: the gate's news
+        # is read here even when it is idle.
         self._read_step_gate()
         held = bool(self.gate.unready) and super().get_num_unfinished_requests() > 0
         return bool(self._bounced) or held or super().has_requests()
@@ -230,8 +224,7 @@ class RecomputeScheduler(Scheduler):
             )
         else:
             self._read_step_gate()  # the workers' news, read as every step reads it
-            core = call.engine_core
-            refusal = (memory_not_resident(core) if core else None) or self.gate.resume_refusal()
+            refusal = self.gate.resume_refusal()
         if refusal is not None:
             raise RuntimeError(
                 f"refusing to resume generation: {refusal}. The pause stays in force and "

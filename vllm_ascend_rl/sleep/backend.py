@@ -5,6 +5,8 @@ the KV cache; 2 releases everything, and the weights must be reloaded after waki
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
@@ -18,7 +20,10 @@ from vllm_ascend_rl.sleep.allocator import CaMemAllocator
 
 class CaMemSleepBackend(SleepModeBackend):
     """Built by vLLM's factory in the worker's ``__init__``, before ``init_device``, so the
-    allocator is looked up at first use, once the worker has made it for its device."""
+    allocator is looked up at first use, once the worker has made it for its device. After
+    each sleep, wake or discard, ``on_released`` (the worker's) gets the tags not resident."""
+
+    on_released: Callable[[list[str]], None] | None = None
 
     @property
     def allocator(self) -> CaMemAllocator:
@@ -26,18 +31,32 @@ class CaMemSleepBackend(SleepModeBackend):
 
     def suspend(self, level: int = 1) -> None:
         started = time.perf_counter()
-        self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
+        with self._announcing():
+            self.allocator.sleep(offload_tags=("weights",) if level == 1 else ())
         took = time.perf_counter() - started
         metrics.record({"sleeps": 1, "sleep_seconds": took}, level=str(level))
 
     def resume(self, tags: list[str] | None = None) -> None:
         started = time.perf_counter()
-        self.allocator.wake_up(tags)
+        with self._announcing():
+            self.allocator.wake_up(tags)
         took = time.perf_counter() - started
         metrics.record({"wakes": 1, "wake_seconds": took}, tags=",".join(sorted(tags or ["all"])))
 
     def discard(self, tags: tuple[str, ...]) -> None:
-        self.allocator.discard(tags)
+        with self._announcing():
+            self.allocator.discard(tags)
+
+    @contextmanager
+    def _announcing(self) -> Iterator[None]:
+        """Run a residency change, then tell ``on_released`` what it left (also if it failed
+        part way)."""
+        try:
+            yield
+        finally:
+            if self.on_released is not None:
+                allocator = self.allocator
+                self.on_released([t for t in allocator.tags() if not allocator.is_awake(t)])
 
     def state(self) -> SleepModeState:
         """``RUNNING`` while every tag is resident (also before the allocator exists)."""

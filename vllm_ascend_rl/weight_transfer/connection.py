@@ -16,7 +16,8 @@ is one event, ``connected`` or ``fail``. An init still connecting past ``timeout
 thread checks every ``WATCH_TICK_S`` whether the trainer left and, if so, closes the link: an
 idle engine gets no call from vLLM, and only a poll notices a trainer that died between updates
 and frees what the worker maps or holds for it (a TCPStore key for HCCL, the socket's end for
-NPU IPC). Every change happens under ``lock``, which the engine holds through each of vLLM's
+NPU IPC). The same tick lets the engine end an update left idle (``tick``), also after the
+link closed. Every change happens under ``lock``, which the engine holds through each of vLLM's
 calls; a thread whose init a newer one replaced changes nothing."""
 
 from __future__ import annotations
@@ -104,8 +105,10 @@ class NotOwner(ValueError):
 class Connection(Generic[L]):
     """One engine worker's owner and link; ``state`` changes only through :meth:`_fire`."""
 
-    def __init__(self, lock: threading.RLock, hw: Device) -> None:
-        self.lock, self.hw = lock, hw
+    def __init__(self, lock: threading.RLock, hw: Device, tick: Callable[[], bool]) -> None:
+        """``tick`` runs on the connection's thread, lock held, every ``WATCH_TICK_S``; the
+        thread keeps ticking after the link closes while it returns True."""
+        self.lock, self.hw, self.tick = lock, hw, tick
         self.state = ConnState.NONE
         self.trainer, self.since, self.why = "", "", ""
         self.timeout_s = self.deadline = 0.0
@@ -216,9 +219,12 @@ class Connection(Generic[L]):
         while True:
             time.sleep(WATCH_TICK_S)
             with self.lock:
-                if self._thread is not threading.current_thread() or self.state is not C.UP:
+                if self._thread is not threading.current_thread():
                     return
-                self._check_deadline_and_peer()
+                if self.state is C.UP:
+                    self._check_deadline_and_peer()
+                if not self.tick() and self.state is not C.UP:
+                    return
 
     def _settle(self, connect: Callable[[float], L]) -> None:
         """Connect, then fire the outcome, unless the init expired or a newer one replaced it

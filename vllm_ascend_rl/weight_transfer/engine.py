@@ -20,10 +20,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine
 from vllm_ascend_rl import metrics
 from vllm_ascend_rl.device import device_for, worker_index
 from vllm_ascend_rl.logs import get_logger
-from vllm_ascend_rl.readiness import StepHold
+from vllm_ascend_rl.readiness import StepHold, gate_address
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, total_bytes
 from vllm_ascend_rl.weight_transfer.connection import Connection, Link, NotOwner
-from vllm_ascend_rl.weight_transfer.session import State, UpdateCancelled, UpdateSession
+from vllm_ascend_rl.weight_transfer.session import UpdateCancelled, UpdateSession
 from vllm_ascend_rl.weight_transfer.validation import (
     ExpectedParam,
     WeightUpdateRefused,
@@ -122,9 +122,9 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
         metrics.engine_worker(vllm_config, worker_index(self.parallel_config))
         self.session = UpdateSession(model, self.model_config, self.hw, workers, self.backend)
         self.lock = threading.RLock()
-        self.session.readiness.abandon = self._abandon
-        self.session.readiness.announce_to(vllm_config, worker_index(self.parallel_config))
-        self.connection: Connection[K] = Connection(self.lock, self.hw)
+        gate = gate_address(vllm_config)  # now, while the engine core is being built
+        self.session.readiness.announce_to(gate, worker_index(self.parallel_config))
+        self.connection: Connection[K] = Connection(self.lock, self.hw, self._end_if_abandoned)
         self.init_info: I | None = None
         self.step_hold = StepHold.GATE
 
@@ -166,7 +166,7 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
         its error says what the model holds now. Another trainer's call is refused and leaves
         the owner's open update alone."""
         with self._entered():
-            opened = self.session.state in (State.OPEN, State.RECEIVED)
+            opened = self.session.is_open
             try:
                 WeightTransferEngine.update_weights(self, update_info)
             except Exception as e:
@@ -208,9 +208,15 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
             self.connection.close("the weight transfer engine was shut down")
             self.session.pool.release()
 
-    def _abandon(self) -> None:
-        with self._entered():
-            self.session.abandon()
+    def _end_if_abandoned(self) -> bool:
+        """The connection thread's tick (lock held): end an update left idle past the init's
+        ``timeout_s`` (its trainer died or forgot it); whether an update is still open."""
+        if self.session.abandon_due():
+            logger.error("ending a weight update nobody finished: no call in timeout_s")
+            with self._entered():
+                self.session.abandon()
+                self.hw.synchronize()  # the restore's copies are done before the lock goes
+        return self.session.is_open
 
     def release_buffers(self) -> None:
         """Give back the receive pool (e.g. before the engine sleeps)."""

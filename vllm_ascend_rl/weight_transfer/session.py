@@ -21,8 +21,8 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
   ``hold`` once layers took new weights, leaves the model *not whole*: the plugin scheduler
   refuses every resume (``readiness.py``) until an update completes.
 - From ``start`` to the end the readiness is UPDATING: the plugin scheduler runs no step
-  (``readiness.StepGate``), and ends the update (``abandon``) once no call came for the
-  connection's ``timeout_s``."""
+  (``readiness.StepGate``). The engine ends an open update (``abandon``) once no call came for
+  the connection's ``timeout_s`` (``abandon_due``, asked by the connection's thread)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,7 @@ class UpdateSession:
         self.state = State.IDLE
         self.hold = False  # on_failure="hold": no backup of the old weights
         self.idle_s = 120.0  # the connection's timeout_s: an open update idle longer is abandoned
+        self.quiet_until = 0.0  # when the open update's idle bound passes, unless a call comes
         self.reload = LayerwiseReload()
         self.pool = ReceivePool(hw.torch_device(), 0)
         self.version: str | None = None  # the version the open update loads, if named
@@ -179,8 +180,9 @@ class UpdateSession:
         self.cancelled = None
         self.moved = dict.fromkeys(_FIGURES, 0.0)
         self._set_guard()
+        self.quiet_until = time.monotonic() + self.idle_s
         if self.readiness.state is Readiness.WHOLE:  # layers may hold either version now
-            self.readiness.set(Readiness.UPDATING, idle_s=self.idle_s)
+            self.readiness.set(Readiness.UPDATING)
 
     def receive(self, version: str | None) -> None:
         """``update_weights`` begins (before its handshake)."""
@@ -199,8 +201,7 @@ class UpdateSession:
 
     def loaded(self) -> None:
         self._go(Event.LOADED)
-        if self.readiness.state is Readiness.UPDATING:  # the idle clock restarts
-            self.readiness.set(Readiness.UPDATING, idle_s=self.idle_s)
+        self.quiet_until = time.monotonic() + self.idle_s
 
     def finish(self) -> None:
         """``finish_weight_update``: apply what arrived, or end an update that got nothing.
@@ -249,9 +250,18 @@ class UpdateSession:
         """Another trainer's call, refused without touching the open update."""
         self._count("refused", cause_of(e))
 
+    @property
+    def is_open(self) -> bool:
+        """An update is open and waits for a call (its trainer's next one, or ``finish``)."""
+        return self.state in (State.OPEN, State.RECEIVED)
+
+    def abandon_due(self) -> bool:
+        """The open update saw no call for ``idle_s``."""
+        return self.is_open and time.monotonic() >= self.quiet_until
+
     def abandon(self) -> None:
-        """The step gate saw no call for ``idle_s`` while the update was open: end it."""
-        if self.state in (State.OPEN, State.RECEIVED):
+        """No call came for ``idle_s`` while the update was open: end it."""
+        if self.is_open:
             self.cancel(
                 f"no call came for {self.idle_s:g} s (timeout_s) while it was open", "abandoned"
             )

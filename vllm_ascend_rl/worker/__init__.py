@@ -7,7 +7,13 @@ import gc
 from typing import TYPE_CHECKING, Any, cast
 
 from vllm_ascend_rl.device import worker_index
-from vllm_ascend_rl.readiness import RELOAD_HINT, ModelReadiness, Readiness, worker_readiness
+from vllm_ascend_rl.readiness import (
+    RELOAD_HINT,
+    ModelReadiness,
+    Readiness,
+    gate_address,
+    worker_readiness,
+)
 from vllm_ascend_rl.weight_transfer.connection import NotOwner
 from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
 
@@ -27,10 +33,13 @@ def attach_sleep_backend(worker: Any) -> CaMemSleepBackend:
     from vllm_ascend_rl._registration import CAMEM_BACKEND
 
     register()  # a no-op where vLLM's plugin loading already ran it
+    worker.step_gate = gate_address(worker.vllm_config)  # now, while the engine core is built
     metrics.engine_worker(worker.vllm_config, worker_index(worker.vllm_config.parallel_config))
     model_config = worker.vllm_config.model_config
     model_config.sleep_mode_backend = CAMEM_BACKEND
-    return cast("CaMemSleepBackend", SleepModeBackendFactory.create_backend(model_config))
+    backend = cast("CaMemSleepBackend", SleepModeBackendFactory.create_backend(model_config))
+    backend.on_released = lambda tags: worker.readiness.set_released(tags)  # to the step gate
+    return backend
 
 
 def release_for_sleep(worker: Any, backend: CaMemSleepBackend, level: int) -> int:
@@ -72,6 +81,7 @@ class SleepableMixin(StartupAddressLedger):
     worker's process holds."""
 
     vllm_config: VllmConfig  # the worker class it is mixed into sets it
+    step_gate: str  # its engine core's gate_address, set by attach_sleep_backend
 
     if TYPE_CHECKING:
 
@@ -83,7 +93,7 @@ class SleepableMixin(StartupAddressLedger):
         """The model's readiness; its changes reach the step gate, with or without a
         weight-transfer engine."""
         readiness = worker_readiness(self)
-        readiness.announce_to(self.vllm_config, worker_index(self.vllm_config.parallel_config))
+        readiness.announce_to(self.step_gate, worker_index(self.vllm_config.parallel_config))
         return readiness
 
     @staticmethod
