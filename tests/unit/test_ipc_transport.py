@@ -13,8 +13,17 @@ import pytest
 import torch
 
 from vllm_ascend_rl.device import IpcHandleError, get_device
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellError, DoorbellListener
-from vllm_ascend_rl.weight_transfer.ipc_messages import Abort, Done, Filled, Hello, Ready, Welcome
+from vllm_ascend_rl.weight_transfer.doorbell import (
+    Abort,
+    Done,
+    Doorbell,
+    DoorbellError,
+    DoorbellListener,
+    Filled,
+    Hello,
+    Ready,
+    Welcome,
+)
 from vllm_ascend_rl.weight_transfer.wire import Verdict
 
 CPU = get_device("cpu")

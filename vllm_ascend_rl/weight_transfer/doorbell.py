@@ -1,7 +1,10 @@
 """Host-local signalling between a colocated trainer and its engine workers: "bucket i is in
 buffer k" and "bucket i was copied out" (the weights travel through shared staging buffers).
-JSON lines (``ipc_messages``) on a Unix stream socket in Linux's abstract namespace (no file
-to clean up); a dead peer shows at once as end-of-stream, a silent one after ``timeout_s``."""
+One JSON line per message, tagged by ``kind`` (the protocol: ``npu_ipc_trainer.py``), on a Unix
+stream socket in Linux's abstract namespace (no file to clean up); a dead peer shows at once as
+end-of-stream, a silent one after ``timeout_s``. A message's ``id`` is the update's id, or the
+bucket's index in ``bucket`` and ``done``; ``reason`` says why a side refused or gave up (None:
+it did not)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,64 @@ import socket
 import time
 from collections.abc import Callable
 from contextlib import suppress
-from typing import NoReturn, TypeVar
+from typing import Annotated, Literal, NoReturn, TypeAlias, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from vllm_ascend_rl.weight_transfer import TransportError
-from vllm_ascend_rl.weight_transfer.ipc_messages import MESSAGE, Abort, Message
+from vllm_ascend_rl.weight_transfer.wire import WIRE_CONFIG, Verdict
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(**WIRE_CONFIG, frozen=True)
+
+
+class Hello(_Strict):  # engine worker -> its chip's rank, on connecting
+    kind: Literal["hello"] = "hello"
+    worker: int
+    wire: int  # wire_signature
+    location: dict[str, str]
+    step_hold: int  # readiness.StepHold
+
+
+class Welcome(_Strict):  # rank -> worker: the answer to its hello
+    kind: Literal["welcome"] = "welcome"
+    reason: str | None = None
+
+
+class Ready(_Strict):  # worker -> its rank: its verdict
+    kind: Literal["ready"] = "ready"
+    id: int
+    verdict: Verdict
+    reason: str | None = None
+    plan: int | None = None  # a worker's plan_signature
+
+
+class Go(_Strict):  # rank -> its workers: every worker's lowest verdict
+    kind: Literal["go"] = "go"
+    id: int
+    verdict: Verdict
+    reason: str | None = None
+
+
+class Filled(_Strict):  # rank -> its workers: a piece of the bucket is in the ring's next slot
+    kind: Literal["bucket"] = "bucket"
+    id: int
+
+
+class Done(_Strict):  # worker -> its rank: it took that piece out; the slot is free
+    kind: Literal["done"] = "done"
+    id: int
+
+
+class Abort(_Strict):  # rank -> its workers: it gives up the connection
+    kind: Literal["abort"] = "abort"
+    reason: str
+
+
+Message: TypeAlias = Hello | Welcome | Ready | Go | Filled | Done | Abort
+MESSAGE: TypeAdapter[Message] = TypeAdapter(Annotated[Message, Field(discriminator="kind")])
+
 
 Poll = Callable[[], None]
 M = TypeVar("M", bound=Message)

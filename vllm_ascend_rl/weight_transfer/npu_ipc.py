@@ -24,9 +24,16 @@ from vllm_ascend_rl._registration import NPU_IPC_BACKEND
 from vllm_ascend_rl.device import Device, ImportedBuffer, IpcHandleError, worker_index
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, pieces, slot_bytes, storage_use_count
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell
+from vllm_ascend_rl.weight_transfer.doorbell import (
+    Done,
+    Doorbell,
+    Filled,
+    Go,
+    Hello,
+    Ready,
+    Welcome,
+)
 from vllm_ascend_rl.weight_transfer.engine import AscendRLEngine, refused
-from vllm_ascend_rl.weight_transfer.ipc_messages import Done, Filled, Go, Hello, Ready, Welcome
 from vllm_ascend_rl.weight_transfer.session import UpdateSession
 from vllm_ascend_rl.weight_transfer.wire import (
     BucketBytes,

@@ -34,7 +34,6 @@ from vllm_ascend_rl.device.base import check_same_location
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer import TransportError
-from vllm_ascend_rl.weight_transfer import ipc_messages as msg
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
     TensorSpec,
@@ -44,7 +43,18 @@ from vllm_ascend_rl.weight_transfer.buckets import (
     pieces,
     slot_bytes,
 )
-from vllm_ascend_rl.weight_transfer.doorbell import Doorbell, DoorbellListener, Poll
+from vllm_ascend_rl.weight_transfer.doorbell import (
+    Abort,
+    Done,
+    Doorbell,
+    DoorbellListener,
+    Filled,
+    Go,
+    Hello,
+    Poll,
+    Ready,
+    Welcome,
+)
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
     AscendRLNPUIPCWeightTransferUpdateInfo,
@@ -86,7 +96,7 @@ def _release(ring: list[ExportedBuffer]) -> None:
     ring.clear()
 
 
-def welcome(doorbell: Doorbell, hello: msg.Hello, wire: int, here: dict[str, str]) -> bool:
+def welcome(doorbell: Doorbell, hello: Hello, wire: int, here: dict[str, str]) -> bool:
     """Answer a worker's hello; True (welcome) only if its wire signature and chip are ours."""
     reason = None
     if hello.wire != wire:
@@ -96,7 +106,7 @@ def welcome(doorbell: Doorbell, hello: msg.Hello, wire: int, here: dict[str, str
             check_same_location(here, hello.location)
         except IpcHandleError as e:
             reason = f"engine worker {hello.worker}: {e}"
-    doorbell.send(msg.Welcome(reason=reason))
+    doorbell.send(Welcome(reason=reason))
     return reason is None
 
 
@@ -104,7 +114,7 @@ class Acceptor:
     """Accepts this rank's engine workers (:class:`Hello`) on its doorbell in a thread until
     stopped."""
 
-    def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, msg.Hello], bool]):
+    def __init__(self, listener: DoorbellListener, greet: Callable[[Doorbell, Hello], bool]):
         self.listener, self.greet = listener, greet
         self.workers: list[Doorbell] = []
         self.step_hold = StepHold.GATE  # the lowest of the welcomed workers'
@@ -118,7 +128,7 @@ class Acceptor:
             if doorbell is None:
                 continue
             try:
-                hello = doorbell.expect(msg.Hello, None, "init handshake")
+                hello = doorbell.expect(Hello, None, "init handshake")
                 if self.greet(doorbell, hello):
                     self.workers.append(doorbell)
                     self.step_hold = min(self.step_hold, StepHold(hello.step_hold))
@@ -272,7 +282,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         self.connected = False
         for d in self.doorbells:
             with suppress(Exception):  # already gone
-                d.send(msg.Abort(reason="the trainer gave up this update"))
+                d.send(Abort(reason="the trainer gave up this update"))
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
@@ -308,14 +318,14 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
     def _agree(self, plan: list[Bucket], poll: Poll) -> Verdict:
         """This rank's workers' lowest verdict on ``plan``, then every rank's; the lowest goes
         to the workers that said GO."""
-        replies: list[msg.Ready] = []
+        replies: list[Ready] = []
 
         def lowest_here() -> tuple[Verdict, str | None]:
             replies.extend(self._ready(poll))
             return _lowest(_on_plan(replies, plan))
 
         verdict, reason = _lowest(self._share(lowest_here))
-        self._go(replies, msg.Go(id=self.update_id, verdict=verdict, reason=reason))
+        self._go(replies, Go(id=self.update_id, verdict=verdict, reason=reason))
         return verdict
 
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
@@ -328,13 +338,11 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             )
         return [b.handle for b in self.ring]
 
-    def _ready(self, poll: Poll) -> list[msg.Ready]:
+    def _ready(self, poll: Poll) -> list[Ready]:
         """This rank's workers' replies, as they sent them."""
-        return [
-            d.expect(msg.Ready, self.update_id, "update handshake", poll) for d in self.doorbells
-        ]
+        return [d.expect(Ready, self.update_id, "update handshake", poll) for d in self.doorbells]
 
-    def _go(self, replies: list[msg.Ready], go: msg.Go) -> None:
+    def _go(self, replies: list[Ready], go: Go) -> None:
         for d, r in zip(self.doorbells, replies, strict=True):
             if r.verdict == Verdict.GO:  # every worker that said GO waits for the verdict
                 d.send(go)
@@ -350,7 +358,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         def acknowledged() -> None:
             index = unacknowledged.popleft()
             for d in self.doorbells:
-                d.expect(msg.Done, index, f"bucket {index} acknowledgement", poll)
+                d.expect(Done, index, f"bucket {index} acknowledgement", poll)
 
         for bucket, tensors in iter_bucket_tensors(plan, pairs):
             whole = as_bytes(tensors[0]) if bucket.nbytes > piece else None
@@ -364,7 +372,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
                     self.hw.copy_bytes(slot, whole[start : start + n])
                 self.hw.synchronize()  # the engine reads it from another process
                 for d in self.doorbells:
-                    d.send(msg.Filled(id=bucket.index))
+                    d.send(Filled(id=bucket.index))
                 unacknowledged.append(bucket.index)
         while unacknowledged:
             acknowledged()
@@ -380,7 +388,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         _release(self.ring)
 
 
-def _on_plan(workers: list[msg.Ready], plan: list[Bucket]) -> list[tuple[Verdict, str | None]]:
+def _on_plan(workers: list[Ready], plan: list[Bucket]) -> list[tuple[Verdict, str | None]]:
     """Each worker's verdict and reason; a GO for other buckets than ``plan`` refuses it."""
     sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
     return [
