@@ -61,9 +61,7 @@ class WeightSyncBenchExtension:
         session.start()
         try:
             session.receive(None)
-            for bucket, buf in kept:
-                session.load(bucket, buf, 0.0)
-            session.loaded()
+            session.load_all(iter(kept), sum(bucket.nbytes for bucket, _ in kept))
         except BaseException as e:
             session.fail(e)
             raise

@@ -70,9 +70,9 @@ def test_an_init_connects_inline_and_the_link_is_the_owners():
         conn.link()
     link = up(conn)
     assert conn.state is ConnState.UP and conn.link() is link and link.calls == ["opened"]
-    conn.require_owner("t1")
+    assert conn.link(owner="t1") is link
     with pytest.raises(NotOwner, match="belongs to trainer t1"):
-        conn.require_owner("t2")
+        conn.link(owner="t2")
 
 
 def test_another_trainer_is_refused_while_the_owner_connects_or_is_up():

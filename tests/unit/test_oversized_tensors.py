@@ -188,6 +188,7 @@ def test_the_benchmark_extension_receives_through_the_engines_link():
         worker.weight_transfer_engine = engine
         update = AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
         seconds = worker.bench_receive_discard(json.dumps(update), keep="1")
+        engine.shutdown()  # its connection's thread must not close the group at exit
         return seconds, worker._bench_kept
 
     trainer_error, (seconds, kept) = run_ranks(2, body, timeout_s=20)

@@ -57,7 +57,7 @@ def fire(s: UpdateSession, event: Event) -> None:
     {
         Event.START: s.start,
         Event.RECEIVE: lambda: s.receive("v2"),
-        Event.LOADED: s.loaded,
+        Event.LOADED: lambda: s.load_all(iter(()), 0),
         Event.FINISH: s.finish,
         Event.FAIL: lambda: s.fail(RuntimeError("a test failed it")),
         Event.CANCEL: lambda: s.cancel("a test cancelled it", "test"),

@@ -151,9 +151,16 @@ class Connection(Generic[L]):
         if link is not None:
             link.close()
 
-    def link(self) -> L:
-        """The owner's link, for a call that needs it; NotConnected, at once, saying why not."""
+    def link(self, owner: str | None = None) -> L:
+        """The owner's link, for a call that needs it; NotConnected, at once, saying why not.
+        Given the trainer an update comes from, NotOwner unless it is the channel's owner."""
         self._check_deadline_and_peer()
+        if self._link is not None and owner is not None and _named(owner) != self.trainer:
+            raise NotOwner(
+                f"this update comes from trainer {_named(owner)}, but the weight channel "
+                f"belongs to {self.describe()}: only the trainer that made the channel may "
+                "update through it"
+            )
         if self._link is not None:
             return self._link
         if self.state is ConnState.NONE:
@@ -170,15 +177,6 @@ class Connection(Generic[L]):
         raise NotConnected(
             f"no weight channel: {self.describe()}. Call init_weight_transfer_engine again"
         )
-
-    def require_owner(self, trainer: str) -> None:
-        """Refuse, at once, an update that the channel's owner did not send."""
-        if _named(trainer) != self.trainer:
-            raise NotOwner(
-                f"this update comes from trainer {_named(trainer)}, but the weight channel "
-                f"belongs to {self.describe()}: only the trainer that made the channel may "
-                "update through it"
-            )
 
     def _check_deadline_and_peer(self) -> None:
         """What time and the trainer say now: an init past its deadline failed, and a
@@ -221,9 +219,10 @@ class Connection(Generic[L]):
             with self.lock:
                 if self._thread is not threading.current_thread():
                     return
+                watching = self.tick()
                 if self.state is C.UP:
                     self._check_deadline_and_peer()
-                if not self.tick() and self.state is not C.UP:
+                elif not watching:
                     return
 
     def _settle(self, connect: Callable[[float], L]) -> None:

@@ -7,7 +7,6 @@ Every method vLLM calls holds ``lock``."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cached_property
@@ -44,12 +43,6 @@ if TYPE_CHECKING:
     from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = get_logger(__name__)
-
-
-class TransferFailed(RuntimeError):
-    """Bytes stopped arriving mid-update; the connection is gone."""
-
-    cause = "transfer"
 
 
 U_contra = TypeVar("U_contra", bound=CheckpointUpdateInfo, contravariant=True)
@@ -183,15 +176,14 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
                 raise
 
     def receive_weights(self, update_info: U) -> None:
-        link = self.connection.link()
-        self.connection.require_owner(update_info.trainer_id)
+        link = self.connection.link(owner=update_info.trainer_id)
         assert self.init_info is not None  # set with the connection
         self.session.receive(update_info.weight_version)
         verdict, reason = self._vet(update_info, self.init_info.validation)
         plan = plan_for(self.init_info, update_info.specs, self.alone_bytes)
         try:
             link.agree(verdict, reason, plan, update_info)
-            self._load(link.buckets(plan), update_info)
+            self.session.load_all(link.buckets(plan), total_bytes(update_info.specs))
         except Exception as e:
             if link.peer_gone() or not isinstance(e, WeightUpdateRefused):
                 # First: nothing may wait behind a transfer on a dead peer.
@@ -246,21 +238,3 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
         except WeightUpdateRefused as e:
             return Verdict.REFUSED, str(e)
         return Verdict.GO, None
-
-    def _load(self, buckets: Iterator[tuple[Bucket, torch.Tensor]], info: U) -> None:
-        """Load every bucket; TransferFailed, saying how far it got, if the link broke."""
-        received = 0
-        try:
-            waiting = time.perf_counter()
-            for bucket, buf in buckets:
-                self.session.load(bucket, buf, time.perf_counter() - waiting)
-                received += bucket.nbytes
-                del buf  # the transport reuses a buffer once nothing refers to it
-                waiting = time.perf_counter()
-        except Exception as e:
-            raise TransferFailed(
-                f"weight transfer failed after {received} of {total_bytes(info.specs)} bytes "
-                f"({type(e).__name__}: {e}). Call init_weight_transfer_engine again before the "
-                "next update"
-            ) from e
-        self.session.loaded()

@@ -18,7 +18,8 @@ from vllm_ascend_rl.device import worker_index
 from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, ReceivePool, pieces
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
-from vllm_ascend_rl.weight_transfer.engine import AscendRLEngine, TransferFailed, refused
+from vllm_ascend_rl.weight_transfer.engine import AscendRLEngine, refused
+from vllm_ascend_rl.weight_transfer.session import TransferFailed
 from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 from vllm_ascend_rl.weight_transfer.wire import (
     CheckpointUpdateInfo,

@@ -27,6 +27,7 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +100,12 @@ class IllegalTransition(RuntimeError):
 
 class UpdateCancelled(IllegalTransition):
     """A call on an update already cancelled; the message says why and what the model holds."""
+
+
+class TransferFailed(RuntimeError):
+    """Bytes stopped arriving mid-update; the connection is gone."""
+
+    cause = "transfer"
 
 
 class FinishFailed(RuntimeError):
@@ -189,17 +196,27 @@ class UpdateSession:
         self._go(Event.RECEIVE)
         self.version = version
 
-    def load(self, bucket: Bucket, buf: torch.Tensor, waited_s: float) -> None:
-        """Load one bucket that took ``waited_s`` to arrive; layerwise reload may keep views of
-        ``buf`` until a layer completes."""
-        started = time.perf_counter()
-        with mtp_check_off():
-            self.model.load_weights(unpack_views(buf, bucket))  # type: ignore[operator]  # torch stubs: Module.__getattr__
-        self.moved["weight_update_load_seconds"] += time.perf_counter() - started
-        self.moved["weight_update_transport_seconds"] += waited_s
-        self.moved["weight_update_bytes"] += total_bytes(bucket.specs)  # not the padding
-
-    def loaded(self) -> None:
+    def load_all(self, buckets: Iterator[tuple[Bucket, torch.Tensor]], expected: int) -> None:
+        """Load each bucket as it arrives (layerwise reload may keep views of it until a layer
+        completes); TransferFailed, saying how far it got of ``expected`` bytes, if they stop."""
+        received, waiting = 0, time.perf_counter()
+        try:
+            for bucket, buf in buckets:
+                started = time.perf_counter()
+                with mtp_check_off():
+                    self.model.load_weights(unpack_views(buf, bucket))  # type: ignore[operator]  # torch stubs: Module.__getattr__
+                self.moved["weight_update_load_seconds"] += time.perf_counter() - started
+                self.moved["weight_update_transport_seconds"] += started - waiting
+                self.moved["weight_update_bytes"] += total_bytes(bucket.specs)  # not the padding
+                received += bucket.nbytes
+                del buf  # the transport reuses a buffer once nothing refers to it
+                waiting = time.perf_counter()
+        except Exception as e:
+            raise TransferFailed(
+                f"weight transfer failed after {received} of {expected} bytes "
+                f"({type(e).__name__}: {e}). Call init_weight_transfer_engine again before the "
+                "next update"
+            ) from e
         self._go(Event.LOADED)
         self.quiet_until = time.monotonic() + self.idle_s
 
