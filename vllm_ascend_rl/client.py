@@ -231,12 +231,12 @@ class EngineControlClient:
             json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
         )
 
-    def collective_rpc(self, method: str, **kwargs: str) -> list[list[Any]] | None:
+    def collective_rpc(self, method: str, **kwargs: str) -> list[Any] | None:
         """``method`` on every worker of every engine (``/collective_rpc``); results per engine."""
         out = self.request("POST", "/collective_rpc", json={"method": method, "kwargs": kwargs})
-        if out is None:
-            return None
-        return [o.get("results", []) if isinstance(o, dict) else o for o in out]
+        return (
+            None if out is None else [o.get("results") if isinstance(o, dict) else o for o in out]
+        )
 
     def world_size(self) -> int | None:
         out = self.request("GET", "/get_world_size")

@@ -32,7 +32,7 @@ CONNECTORS = ("kv_transfer_config", "ec_transfer_config")  # the vllm_config fie
 GATE_POLL_S = 0.005  # while the step gate is closed and requests wait: how long a step waits
 
 
-def recompute_mode_from(additional_config: dict[str, Any] | None) -> str:
+def recompute_mode_from(additional_config: Any) -> str:
     """The validated ``recompute_mode``: a bad value fails engine start-up, not a request."""
     section = (additional_config or {}).get(CONFIG_KEY, {})
     if not isinstance(section, dict):
@@ -79,10 +79,7 @@ class RecomputeScheduler(Scheduler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         refuse_bounce_with_connector(kwargs.get("vllm_config") or args[0])
         super().__init__(*args, **kwargs)
-        additional = self.vllm_config.additional_config
-        self.recompute_mode = recompute_mode_from(
-            additional if isinstance(additional, dict) else None
-        )
+        self.recompute_mode = recompute_mode_from(self.vllm_config.additional_config)
         self.num_bounced = 0
         self._in_schedule = False
         self._bounced: list[Request] = []  # finished by a bounce, output not delivered yet

@@ -155,13 +155,13 @@ class Connection(Generic[L]):
         """The owner's link, for a call that needs it; NotConnected, at once, saying why not.
         Given the trainer an update comes from, NotOwner unless it is the channel's owner."""
         self._check_deadline_and_peer()
-        if self._link is not None and owner is not None and _named(owner) != self.trainer:
-            raise NotOwner(
-                f"this update comes from trainer {_named(owner)}, but the weight channel "
-                f"belongs to {self.describe()}: only the trainer that made the channel may "
-                "update through it"
-            )
         if self._link is not None:
+            if owner is not None and _named(owner) != self.trainer:
+                raise NotOwner(
+                    f"this update comes from trainer {_named(owner)}, but the weight channel "
+                    f"belongs to {self.describe()}: only the trainer that made the channel may "
+                    "update through it"
+                )
             return self._link
         if self.state is ConnState.NONE:
             raise NotConnected(
