@@ -146,25 +146,44 @@ def rank_rss(server: VLLMServer) -> dict[str, int]:
     return out
 
 
+def settled(streams: list[StreamingCompletion], quiet_s: float = 1.0) -> list[int]:
+    """The streams' token counts once none changed for ``quiet_s`` (at most 60 s): a loaded
+    API server delivers tokens its engines made before the pause well after the pause."""
+    counts, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 60
+    while time.monotonic() < deadline:
+        now = [s.num_tokens for s in streams]
+        if now != counts:
+            counts, quiet_since = now, time.monotonic()
+        elif time.monotonic() - quiet_since >= quiet_s:
+            break
+        time.sleep(0.05)
+    return counts or []
+
+
 def test_one_pause_freezes_both_ranks_and_keep_requests_resume(servers):
     engine, _, _ = servers
     ctl = EngineControlClient(engine.url, timeout_s=120)
-    streams = [StreamingCompletion(engine.url, f"Rank test {i}:", 400) for i in range(8)]
+    # 2000 tokens a stream (the model holds 2048): a loaded API server acknowledged a DP
+    # pause after most 400-token streams had ended (CI).
+    streams = [StreamingCompletion(engine.url, f"Rank test {i}:", 2000) for i in range(8)]
     for s in streams:
         s.start()
     deadline = time.monotonic() + 60
     while min(s.num_tokens for s in streams) < 4 and time.monotonic() < deadline:
         time.sleep(0.02)
-    ctl.pause("keep")
-    assert ctl.is_paused() is True
-    time.sleep(0.5)  # chunks in transit arrive
-    frozen = [s.num_tokens for s in streams]
-    time.sleep(1.0)
-    assert [s.num_tokens for s in streams] == frozen, "a DP rank generated while paused"
-    ctl.resume()
+    try:
+        ctl.pause("keep")
+        assert ctl.is_paused() is True
+        frozen = settled(streams)
+        # A rank that kept generating would have run its streams to their end.
+        assert all(n < 2000 for n in frozen), f"a DP rank generated while paused: {frozen}"
+        time.sleep(1.5)
+        assert [s.num_tokens for s in streams] == frozen, "a DP rank generated while paused"
+    finally:
+        ctl.resume()  # a paused engine would hold every later test's requests
     for s in streams:
         s.join(300)
-        assert s.ok and s.finish_reason == "length" and s.num_tokens == 400, s.error
+        assert s.ok and s.finish_reason == "length" and s.num_tokens == 2000, s.error
 
 
 def test_sleep_and_wake_reach_both_ranks(servers):

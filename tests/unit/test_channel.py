@@ -14,6 +14,7 @@ from npu_standin.device import CpuDevice
 
 from tests.support import free_port
 from vllm_ascend_rl.device import get_device
+from vllm_ascend_rl.weight_transfer import channel
 from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel, ChannelError
 from vllm_ascend_rl.weight_transfer.wire import Verdict, signature
 
@@ -126,19 +127,24 @@ def test_signature_is_stable_and_fits_an_int32_negation():
     assert 0 <= signature("x" * 1000) < 2**30
 
 
-def test_a_collective_that_trails_the_peers_http_answer_still_completes():
-    """The poll fails (the engine answered the update call) a moment before the engine's part
-    of the handshake arrives: the handshake still completes in step, nothing breaks."""
+def test_a_collective_that_trails_the_peers_http_answer_still_completes(monkeypatch):
+    """The poll fails (the engine answered the update call) before the engine's part of the
+    handshake arrives: the handshake still completes in step, nothing breaks. The engine
+    contributes only once the poll has failed; the grace is long enough for a loaded host."""
+    monkeypatch.setattr(channel, "POLL_GRACE_S", 30.0)
+    answered = threading.Event()
 
     def body(ch):
         if ch.rank == 1:
+            assert answered.wait(10)
             time.sleep(0.3)  # the engine contributes late
             return ch.agree(Verdict.REFUSED, 5, "update handshake"), ch.broken
 
-        def answered() -> None:
+        def poll() -> None:
+            answered.set()
             raise RuntimeError("update_weights failed: refused")
 
-        return ch.agree(Verdict.GO, 5, "update handshake", answered), ch.broken
+        return ch.agree(Verdict.GO, 5, "update handshake", poll), ch.broken
 
     trainer, engine = run_ranks(2, body)
     assert trainer == ((Verdict.REFUSED, True), None) and engine == ((Verdict.REFUSED, True), None)
