@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from functools import cache
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 from vllm_ascend_rl.device.base import (  # noqa: F401 (re-exported)
@@ -40,12 +41,9 @@ def get_device(kind: str, index: int = 0) -> Device:
 
 def device_kind() -> str:
     """``VLLM_ASCEND_RL_DEVICE``, else ``npu`` if torch_npu is installed, else ``cpu``."""
-    kind = os.environ.get("VLLM_ASCEND_RL_DEVICE")
-    if not kind:
-        import importlib.util
-
-        kind = "npu" if importlib.util.find_spec("torch_npu") is not None else "cpu"
-    return kind
+    if kind := os.environ.get("VLLM_ASCEND_RL_DEVICE"):
+        return kind
+    return "npu" if find_spec("torch_npu") is not None else "cpu"
 
 
 def current_device() -> Device:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import socket
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -69,8 +71,6 @@ def ipc_buffer_id(segment: bytes, offset: int) -> str:
     handle names the allocator's segment, not the block (torch_npu ``shareIpcHandle`` sends the
     offset beside it), and torch_npu keys its cache of opened handles on the pair too
     (``reductions.py:51-53``, 2.10.0.post4)."""
-    import hashlib
-
     return hashlib.sha256(segment + b"@" + str(offset).encode()).hexdigest()[:32]
 
 
@@ -82,8 +82,6 @@ def worker_index(parallel_config: Any) -> int:
 
 def host_identity() -> dict[str, str]:
     """This host, as two processes on it must agree: hostname and kernel boot id."""
-    import socket
-
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
