@@ -62,9 +62,7 @@ def nz_weight_mode(additional_config: dict | None = None) -> int:
     config = additional_config or {}
     if rl_config_enabled(config):
         return 0
-    if "weight_nz_mode" in config:
-        return int(config["weight_nz_mode"])
-    return int(os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1"))
+    return int(config.get("weight_nz_mode", os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1")))
 
 
 def nz_format_refusal(additional_config: dict | None = None) -> str | None:
