@@ -155,11 +155,8 @@ def map(
     backend: str, addr: int, size: int, handle: int, populate: bool = False, device: int = 0
 ) -> None:
     b = _backend(backend)
-    _check(
-        b,
-        "map",
-        b.contents.map(checked_u64(addr), checked_u64(size), checked_u64(handle), populate, device),
-    )
+    addr, size, handle = (checked_u64(v) for v in (addr, size, handle))
+    _check(b, "map", b.contents.map(addr, size, handle, populate, device))
 
 
 def zero(backend: str, addr: int, size: int, device: int = 0) -> None:
@@ -194,12 +191,8 @@ def table_allocate(
 ) -> tuple:
     """Reserve, back and map; recorded in the table. Returns the entry."""
     entry = _Entry()
-    b = _backend(backend)
-    _found(
-        _lib.vmm_table_allocate(
-            b, checked_u64(size), device, populate, _tag(tag), ctypes.byref(entry)
-        )
-    )
+    args = (checked_u64(size), device, populate, _tag(tag), ctypes.byref(entry))
+    _found(_lib.vmm_table_allocate(_backend(backend), *args))
     return _row(entry)
 
 
