@@ -156,8 +156,7 @@ class CaMemAllocator:
 
     def outside(self, tag: str, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
         """The ones of ``tensors`` that no allocation of ``tag`` backs."""
-        with self._lock:
-            spans = [(a.addr, a.addr + a.size) for a in self._entries() if a.tag == tag]
+        spans = [(a.addr, a.addr + a.size) for a in self._entries() if a.tag == tag]
         ptrs = [(t, t.untyped_storage().data_ptr()) for t in tensors]
         return [t for t, p in ptrs if not any(lo <= p < hi for lo, hi in spans)]
 
@@ -249,8 +248,7 @@ class CaMemAllocator:
         with self._lock:
             rows = self.vmm.table_entries(self.backend)
             live = {row[0]: row[6] for row in rows}
-            for addr in [a for a, b in self._backups.items() if live.get(a) != b.id]:
-                del self._backups[addr]
+            self._backups = {a: b for a, b in self._backups.items() if live.get(a) == b.id}
             return [self._snapshot(*row) for row in rows]
 
     def _snapshot(
@@ -258,8 +256,7 @@ class CaMemAllocator:
     ) -> Allocation:
         """An Allocation from a table row (``vmm.table_entries``)."""
         backup = self._backups.get(addr)
-        if backup is not None and backup.id != id_:
-            backup = None
+        backup = backup if backup is not None and backup.id == id_ else None
         return Allocation(
             addr, size, tag, device, handle or None, mapped, id_,
             backup.tensor if backup else None, bool(backup and backup.current),
