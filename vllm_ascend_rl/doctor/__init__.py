@@ -37,5 +37,9 @@ def fail(area: str, name: str, found: str, fix: str) -> Check:
     return Check(area, name, "fail", found, fix)
 
 
-def skipped(area: str, name: str, why: str = "skipped (no NPU)") -> Check:
-    return Check(area, name, "skipped", why)
+def ok_or_fail(area: str, name: str, passed: bool, found: str, fix: str) -> Check:
+    return ok(area, name, found) if passed else fail(area, name, found, fix)
+
+
+def skipped(area: str, name: str) -> Check:
+    return Check(area, name, "skipped", "skipped (no NPU)")

@@ -52,13 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = ap.parse_args(argv)
-    with contextlib.redirect_stdout(sys.stderr):  # vLLM 0.27.1 logs to stdout
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout
         checks = local.checks(args.timeout_s, args.additional_config)
         checks += engines.checks(args.engine, timeout_s=60.0)
-    if args.json:
-        print(json.dumps([asdict(c) for c in checks], indent=1))
-    else:
-        print(render(checks))
+    print(json.dumps([asdict(c) for c in checks], indent=1) if args.json else render(checks))
     return 1 if any(c.status == "fail" for c in checks) else 0
 
 

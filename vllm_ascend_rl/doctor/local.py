@@ -14,7 +14,7 @@ from importlib import metadata
 
 from vllm_ascend_rl import stacks
 from vllm_ascend_rl.device.group import HCCL_DEFAULT_EXEC_TIMEOUT_S
-from vllm_ascend_rl.doctor import Check, fail, ok, skipped, warn
+from vllm_ascend_rl.doctor import Check, fail, ok, ok_or_fail, skipped, warn
 
 STACK, REG, ENV = "stack", "registration", "environment"
 CANN_TESTED = "9.1.0"  # the headers csrc/vmm_acl.cpp was checked against
@@ -43,11 +43,9 @@ def _release(text: str) -> tuple[int, ...] | None:
     return tuple(int(n) for n in numbers.group().split(".")) if numbers else None
 
 
-# -- stack ---------------------------------------------------------------------------------------
 def stack(npu: bool) -> list[Check]:
-    python = ".".join(map(str, sys.version_info[:3]))
-    device = "npu" if npu else "cpu (stand-in)"
-    out = [ok(STACK, "python", python), _torch(), _vllm(), ok(STACK, "device", device)]
+    python = ok(STACK, "python", ".".join(map(str, sys.version_info[:3])))
+    out = [python, _torch(), _vllm(), ok(STACK, "device", "npu" if npu else "cpu (stand-in)")]
     if not npu:
         names = ("vllm-ascend", "torch_npu", "CANN and chips", "ACL back end")
         return [*out, supported_stack(), *(skipped(STACK, n) for n in names)]
@@ -59,8 +57,7 @@ def supported_stack(vllm_ascend: str | None = None) -> Check:
     """Whether one of ``stacks.SUPPORTED`` has this vLLM, Python and (on NPU) vllm-ascend."""
     vllm = _vllm_version() or "not installed"
     python = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    problem = stacks.mismatch(vllm, python, vllm_ascend)
-    if problem:
+    if problem := stacks.mismatch(vllm, python, vllm_ascend):
         fix = "use one of: " + "; ".join(s.name for s in stacks.SUPPORTED)
         return warn(STACK, "supported stack", problem, fix)
     ascend = f", vllm-ascend {vllm_ascend}" if vllm_ascend else ""
@@ -68,10 +65,8 @@ def supported_stack(vllm_ascend: str | None = None) -> Check:
 
 
 def _torch() -> Check:
-    found = _version("torch")
-    if found is None:
-        return fail(STACK, "torch", "not installed", "install torch (your stack's build)")
-    return ok(STACK, "torch", found)
+    found, fix = _version("torch"), "install torch (your stack's build)"
+    return ok_or_fail(STACK, "torch", found is not None, found or "not installed", fix)
 
 
 def _vllm_version() -> str | None:
@@ -140,15 +135,12 @@ def _cann_and_chips() -> Check:
 def _acl_backend() -> Check:
     from vllm_ascend_rl import vmm
 
-    found = ", ".join(vmm.backends())
-    if "acl" not in vmm.backends():
-        fix = "reinstall the plugin where CANN is found (ASCEND_TOOLKIT_HOME), without "
-        fix += "VLLM_ASCEND_RL_NO_ACL=1"
-        return fail(STACK, "ACL back end", f"built: {found}", fix)
-    return ok(STACK, "ACL back end", f"built: {found}")
+    fix = "reinstall the plugin where CANN is found (ASCEND_TOOLKIT_HOME), without "
+    fix += "VLLM_ASCEND_RL_NO_ACL=1"
+    found = f"built: {', '.join(vmm.backends())}"
+    return ok_or_fail(STACK, "ACL back end", "acl" in vmm.backends(), found, fix)
 
 
-# -- registration --------------------------------------------------------------------------------
 def registration() -> list[Check]:
     """Our entry points, then vLLM's own plugin loading (every installed general plugin, ours
     and vllm-ascend's included), then whom vLLM's factories resolve our names to."""
@@ -199,7 +191,6 @@ def _factory_entry(module: str, factory: str, name: str, ours: str) -> Check:
     return ok(REG, what, found)
 
 
-# -- environment ---------------------------------------------------------------------------------
 def environment(npu: bool, timeout_s: float, additional_config: dict | None = None) -> list[Check]:
     return [
         _nz(additional_config) if npu else skipped(ENV, "NZ weight format"),
@@ -214,8 +205,7 @@ def environment(npu: bool, timeout_s: float, additional_config: dict | None = No
 def _nz(additional_config: dict | None) -> Check:
     from vllm_ascend_rl.device.npu import nz_format_refusal, nz_weight_mode
 
-    refusal = nz_format_refusal(additional_config)
-    if refusal:
+    if refusal := nz_format_refusal(additional_config):
         mode = nz_weight_mode(additional_config)
         return fail(ENV, "NZ weight format", f"weight_nz_mode={mode}", refusal)
     return ok(ENV, "NZ weight format", "off")
@@ -284,13 +274,11 @@ def _alloc_conf_refusal(conf: str | None) -> str | None:
 
 def _rank_table() -> Check:
     table = os.environ.get("RANK_TABLE_FILE")
-    if table:
-        fix = (
-            "unset RANK_TABLE_FILE in the trainer and engine processes that open the HCCL "
-            "weight group: with it torch_npu builds that group from the rank table's world"
-        )
-        return fail(ENV, "RANK_TABLE_FILE", table, fix)
-    return ok(ENV, "RANK_TABLE_FILE", "unset")
+    fix = (
+        "unset RANK_TABLE_FILE in the trainer and engine processes that open the HCCL "
+        "weight group: with it torch_npu builds that group from the rank table's world"
+    )
+    return ok_or_fail(ENV, "RANK_TABLE_FILE", not table, table or "unset", fix)
 
 
 def _seconds(name: str) -> float | None:
@@ -322,7 +310,7 @@ def _hccl_exec() -> Check:
     ours = "the plugin's weight group sets its own (timeout_s)"
     if value is None:
         return ok(ENV, name, f"unset (HCCL's default {HCCL_DEFAULT_EXEC_TIMEOUT_S} s); {ours}")
-    if not (value >= 0 and value == int(value)):
+    if not (value >= 0 and value.is_integer()):
         fix = f"set {name} to a whole number of seconds, or unset it"
         return fail(ENV, name, f"{os.environ[name]!r} is not a whole number of seconds", fix)
     return ok(ENV, name, f"{value:g} s for vllm-ascend's own groups; {ours}")
