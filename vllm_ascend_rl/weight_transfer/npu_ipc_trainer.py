@@ -236,7 +236,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             if not sum(count for count, _ in found):
                 raise WeightSyncError("no engine worker connected to a trainer doorbell")
         except Exception:
-            listener.close()  # the acceptor, stopped, closed it already
+            listener.close()  # unless the acceptor, stopped, closed it already
             self.shutdown()  # closes the doorbells, drops the rank group
             raise
         self.connected = True

@@ -298,8 +298,8 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
         """Give up the connection after a failure in the middle of an update."""
 
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """A non-sender rank's part of an update; at least it iterates the source (its gathers
-        are collectives)."""
+        """A non-sender rank's part of an update; by default it only iterates the source (its
+        gathers are collectives)."""
         for _ in self.source:
             pass
 
