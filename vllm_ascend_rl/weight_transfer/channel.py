@@ -118,19 +118,16 @@ class BroadcastChannel:
         while waiting."""
         started = self._started.pop(id(work), time.monotonic())
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        polled = None  # the poll's error, if the work completed only after it failed
         try:
             polled = _await(work, timeout_s, poll)
-            try:
-                work.wait()
-                # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
-                # the work records it, communicator errors too (ProcessGroupHCCL.cpp:807-841).
-                if (failure := work.exception()) is not None:
-                    raise RuntimeError(f"the collective failed: {failure}")
-            except Exception:
-                if polled is not None:  # the peer's own answer says more than the collective
-                    raise polled from None
-                raise
-        except Exception as e:
+            work.wait()
+            # With our group's watchdog off (NPU), an HCCL error need not raise in wait():
+            # the work records it, communicator errors too (ProcessGroupHCCL.cpp:807-841).
+            if (failure := work.exception()) is not None:
+                raise RuntimeError(f"the collective failed: {failure}")
+        except Exception as error:
+            e = polled or error  # the peer's own answer says more than the collective
             detail = f"{type(e).__name__}: {e}"
             # The backend's own timer runs timeout_s from issue; gloo words its expiry "Timed
             # out ..." or "Application timeout caused pair closure". Late means timeout.

@@ -116,8 +116,7 @@ class Doorbell:
         while b"\n" not in self._buf:
             if self.broken:
                 raise DoorbellError(self.broken)
-            ready = self._readable(0)
-            if not ready and poll is not None:
+            if poll is not None and not self._readable(0):
                 try:
                     poll()
                 except Exception:
@@ -125,23 +124,21 @@ class Doorbell:
                     # update call fails, can land between the check above and the poll.
                     if not self._readable(0):
                         raise
-                    ready = True
-            if not ready:
-                left = deadline - time.monotonic()
+            left = deadline - time.monotonic()
+            if not self._readable(max(0.0, min(left, 0.05))):
                 if left <= 0:
                     self._break(
                         f"{what}: no message from the {self.peer} within "
                         f"timeout_s={self.timeout_s:.0f}s"
                     )
-                ready = self._readable(min(left, 0.05))
-            if ready:
-                try:
-                    chunk = self.sock.recv(1 << 16)
-                except OSError as e:
-                    self._break(f"{what}: connection to the {self.peer} failed: {e}")
-                if not chunk:
-                    self._break(f"{what}: the {self.peer} closed the connection (did it exit?)")
-                self._buf += chunk
+                continue
+            try:
+                chunk = self.sock.recv(1 << 16)
+            except OSError as e:
+                self._break(f"{what}: connection to the {self.peer} failed: {e}")
+            if not chunk:
+                self._break(f"{what}: the {self.peer} closed the connection (did it exit?)")
+            self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         try:
             msg = MESSAGE.validate_json(line)

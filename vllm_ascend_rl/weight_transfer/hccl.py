@@ -153,41 +153,39 @@ class AscendRLHCCLWeightTransferEngine(
                 f"{rank - info.rank_offset} (rank_offset={info.rank_offset}): "
                 "world_size must count the trainer and every engine worker (TP x PP x DP)"
             )
-        return lambda deadline: self._connect(info, rank, deadline)
 
-    def _connect(
-        self, info: AscendRLHCCLWeightTransferInitInfo, rank: int, deadline: float
-    ) -> HCCLLink:
-        """The rendezvous and the init handshake, both before ``deadline``."""
-        channel = BroadcastChannel.open(
-            self.hw,
-            info.master_address,
-            info.master_port,
-            rank,
-            info.world_size,
-            info.timeout_s,
-            within_s=max(0.0, deadline - time.monotonic()),
-        )
-        try:
-            sig = wire_signature(info, DIRECT_BYTES)
-            left = max(0.0, deadline - time.monotonic())
-            # The init handshake's code: what holds this worker's steps (readiness.StepHold).
-            _, same = channel.agree(self.step_hold, sig, "init handshake", timeout_s=left)
-            if not same:
-                raise ValueError(
-                    "trainer and engine disagree on the weight-transfer protocol or wire "
-                    f"parameters (engine: {info}); upgrade one side or re-run trainer_init"
-                )
-        except Exception:
-            channel.close()
-            raise
-        logger.info(
-            "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
-            rank,
-            info.world_size,
-            self.hw.collective_backend,
-            info.packed,
-            info.packed_buffer_size_bytes >> 20,
-            info.packed_num_buffers,
-        )
-        return HCCLLink(channel, info, self.session.pool)
+        def connect(deadline: float) -> HCCLLink:  # the rendezvous and the init handshake
+            channel = BroadcastChannel.open(
+                self.hw,
+                info.master_address,
+                info.master_port,
+                rank,
+                info.world_size,
+                info.timeout_s,
+                within_s=max(0.0, deadline - time.monotonic()),
+            )
+            try:
+                sig = wire_signature(info, DIRECT_BYTES)
+                left = max(0.0, deadline - time.monotonic())
+                # The init handshake's code: what holds this worker's steps (readiness.StepHold).
+                _, same = channel.agree(self.step_hold, sig, "init handshake", timeout_s=left)
+                if not same:
+                    raise ValueError(
+                        "trainer and engine disagree on the weight-transfer protocol or wire "
+                        f"parameters (engine: {info}); upgrade one side or re-run trainer_init"
+                    )
+            except Exception:
+                channel.close()
+                raise
+            logger.info(
+                "HCCL weight transfer ready: rank %d of %d over %s, packed=%s, bucket=%d MiB x %d",
+                rank,
+                info.world_size,
+                self.hw.collective_backend,
+                info.packed,
+                info.packed_buffer_size_bytes >> 20,
+                info.packed_num_buffers,
+            )
+            return HCCLLink(channel, info, self.session.pool)
+
+        return connect

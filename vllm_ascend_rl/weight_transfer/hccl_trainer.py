@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import asdict
 
 import torch
-from vllm.distributed.weight_transfer.base import VLLMWeightSyncClient, WeightSource
 
 from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer.buckets import (
     Bucket,
-    TensorSpec,
     as_bytes,
     iter_bucket_tensors,
     pack_into,
@@ -23,7 +22,6 @@ from vllm_ascend_rl.weight_transfer.channel import BroadcastChannel
 from vllm_ascend_rl.weight_transfer.hccl import (
     DIRECT_BYTES,
     AscendRLHCCLWeightTransferInitInfo,
-    AscendRLHCCLWeightTransferUpdateInfo,
     HCCLTrainerInitInfo,
 )
 from vllm_ascend_rl.weight_transfer.trainer_side import (
@@ -49,26 +47,20 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerTransport[HCCLTrainerInitIn
     transport = "HCCL"
     alone_bytes = DIRECT_BYTES
 
-    def __init__(
-        self, *, client: VLLMWeightSyncClient, source: WeightSource, init_info: HCCLTrainerInitInfo
-    ) -> None:
-        super().__init__(client=client, source=source, init_info=init_info)
-        self.channel: BroadcastChannel | None = None
-        self._staging: list[torch.Tensor] = []
+    channel: BroadcastChannel | None = None  # the sender's, once connected
+    _staging: Sequence[torch.Tensor] = ()  # the send's staging slots, kept between updates
 
     def shutdown(self) -> None:
         self.abort()
         self.channel = None
 
     def connect(self) -> None:
-        if self.is_sender:  # other ranks only iterate the source
-            self.channel = self._open_channel()
-
-    def _open_channel(self) -> BroadcastChannel:
-        """Rendezvous and init handshake with every engine worker, within ``timeout_s``. The
-        engine's init call answers once it has checked the request (a refusal, e.g. another
-        trainer owns the channel, ends this at once); the handshake is where both sides learn
-        the connection is up."""
+        """The sender's rendezvous and init handshake with every engine worker, within
+        ``timeout_s`` (other ranks only iterate the source). The engine's init call answers once
+        it has checked the request (a refusal, e.g. another trainer owns the channel, ends this
+        at once); the handshake is where both sides learn the connection is up."""
+        if not self.is_sender:
+            return
         info = self.init_info
         deadline = time.monotonic() + info.timeout_s
         check_world_size(self.client, info.world_size)
@@ -119,14 +111,13 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerTransport[HCCLTrainerInitIn
         except Exception:
             channel.close()
             raise
-        return channel
+        self.channel = channel
 
     # -- the transport's steps (TrainerTransport) --------------------------------------
     def not_ready(self) -> str | None:
+        if not self.is_sender:  # other ranks only iterate the source
+            return None
         return "not connected" if self.channel is None else self.channel.broken
-
-    def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
-        return AscendRLHCCLWeightTransferUpdateInfo.fields_from_specs(specs)
 
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
         assert self.channel is not None  # _send checked not_ready()
@@ -140,18 +131,17 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerTransport[HCCLTrainerInitIn
         piece = self.init_info.packed_buffer_size_bytes
         assert channel is not None  # _send checked not_ready()
         need = max((b.nbytes for b in plan if not b.oversized), default=0)
-        if len(self._staging) != depth or (self._staging and self._staging[0].numel() < need):
+        if len(self._staging) != depth or self._staging[0].numel() < need:
             self._staging = [
                 torch.empty(need, dtype=torch.uint8, device=self.hw.torch_device())
                 for _ in range(depth)
             ]
         # (bucket, work, the bytes it sends: alive until it is done, staging slot or None)
         in_flight: deque = deque()
-        poll = update.raise_if_failed
 
         def oldest_done() -> None:
             bucket, work, _, _ = in_flight.popleft()
-            channel.wait(work, f"sending bucket {bucket.index}", poll)
+            channel.wait(work, f"sending bucket {bucket.index}", update.raise_if_failed)
 
         for i, (bucket, tensors) in enumerate(iter_bucket_tensors(plan, pairs)):
             slot = None if bucket.oversized else i % depth
@@ -176,7 +166,3 @@ class AscendRLHCCLTrainerWeightTransferEngine(TrainerTransport[HCCLTrainerInitIn
     def abort(self) -> None:
         if self.channel is not None:
             self.channel.close()
-
-    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        for _ in self.source:  # keeps this rank in the source's gather collectives
-            pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import field
+from dataclasses import dataclass, field
 from itertools import cycle
 from typing import Annotated, Any, ClassVar
 
@@ -85,21 +85,19 @@ class AscendRLNPUIPCWeightTransferUpdateInfo(CheckpointUpdateInfo):
     update_id: int = 0
 
 
+@dataclass(eq=False)
 class IPCLink:
     """This worker's doorbell to its chip's trainer rank and its mapping of that rank's ring
     (an :class:`EngineLink`)."""
 
-    def __init__(
-        self,
-        doorbell: Doorbell,
-        info: AscendRLNPUIPCWeightTransferInitInfo,
-        hw: Device,
-        session: UpdateSession,
-    ) -> None:
-        self.doorbell, self.info, self.hw, self.session = doorbell, info, hw, session
-        # handle id -> (mapping, its storage's use count when nothing else uses it), mapped once
-        self._mapped: dict[str, tuple[ImportedBuffer, int | None]] = {}
-        self._ring: list[tuple[torch.Tensor, int | None]] = []  # this update's slots
+    doorbell: Doorbell
+    info: AscendRLNPUIPCWeightTransferInitInfo
+    hw: Device
+    session: UpdateSession
+    # _mapped: handle id -> (mapping, its storage's use count when nothing else uses it), each
+    # handle mapped once; _ring: this update's slots
+    _mapped: dict[str, tuple[ImportedBuffer, int | None]] = field(default_factory=dict, init=False)
+    _ring: list[tuple[torch.Tensor, int | None]] = field(default_factory=list, init=False)
 
     def opened(self) -> None:
         pass  # the trainer counted this worker's hello when its init call returned

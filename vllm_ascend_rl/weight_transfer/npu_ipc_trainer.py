@@ -57,7 +57,6 @@ from vllm_ascend_rl.weight_transfer.doorbell import (
 )
 from vllm_ascend_rl.weight_transfer.npu_ipc import (
     AscendRLNPUIPCWeightTransferInitInfo,
-    AscendRLNPUIPCWeightTransferUpdateInfo,
     NPUIPCTrainerInitInfo,
 )
 from vllm_ascend_rl.weight_transfer.trainer_side import (
@@ -75,15 +74,6 @@ from vllm_ascend_rl.weight_transfer.wire import (
 )
 
 logger = get_logger(__name__)
-
-
-def rank_group(timeout_s: float) -> Any:
-    """A gloo group of every trainer rank (None for one rank): their agreements run on the CPU
-    whatever the training backend, each bounded by twice ``timeout_s`` (a rank may wait there
-    while another waits up to ``timeout_s`` for its workers)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=2 * timeout_s + 30))
 
 
 class RankError(TransportError):
@@ -139,10 +129,9 @@ class Acceptor:
                 doorbell.close()
 
     def stop(self) -> None:
-        if not self._stop.is_set():
-            self._stop.set()
-            self._thread.join()
-            self.listener.close()
+        self._stop.set()
+        self._thread.join()
+        self.listener.close()
 
 
 class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerInitInfo]):
@@ -210,9 +199,13 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         info = self.init_info
         here = self.hw.location()
         listener = DoorbellListener(info.timeout_s)
-        acceptor: Acceptor | None = None
         try:
-            self.group = rank_group(info.timeout_s)
+            # The trainer ranks agree over a gloo group (none for one rank), on the CPU whatever
+            # the training backend, each agreement bounded by twice timeout_s (a rank may wait
+            # there while another waits up to timeout_s for its workers).
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                timeout = timedelta(seconds=2 * info.timeout_s + 30)
+                self.group = dist.new_group(backend="gloo", timeout=timeout)
             ranks = self._all({"chip": self.chip, "doorbell": listener.address})
             chips = [r["chip"] for r in ranks]
             if len(set(chips)) != len(chips):
@@ -227,25 +220,23 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             )
             wire = wire_signature(worker_info, None)
             acceptor = Acceptor(listener, lambda d, hello: welcome(d, hello, wire, here))
-            failure = None
-            if self.is_sender:  # every worker says hello inside the call
-                init = self.client.init_weight_transfer_engine
-                what = "init_weight_transfer_engine"
-                failure = BackgroundCall(what, init, asdict(worker_info)).failure(None)
-            failure = self._sender_says(failure)
-            acceptor.stop()
-            self.doorbells = acceptor.workers
+            try:
+                failure = None
+                if self.is_sender:  # every worker says hello inside the call
+                    init = self.client.init_weight_transfer_engine
+                    what = "init_weight_transfer_engine"
+                    failure = BackgroundCall(what, init, asdict(worker_info)).failure(None)
+                failure = self._sender_says(failure)
+            finally:
+                acceptor.stop()
+                self.doorbells = acceptor.workers
             if failure is not None:
                 raise WeightSyncError(f"init_weight_transfer_engine failed: {failure}")
             found = self._all((len(self.doorbells), int(acceptor.step_hold)))
             if not sum(count for count, _ in found):
                 raise WeightSyncError("no engine worker connected to a trainer doorbell")
         except Exception:
-            if acceptor is None:
-                listener.close()
-            else:
-                acceptor.stop()
-                self.doorbells = acceptor.workers
+            listener.close()  # unless the acceptor, stopped, closed it already
             self.shutdown()  # closes the doorbells, drops the rank group
             raise
         self.connected = True
@@ -259,7 +250,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
 
     def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
         return {
-            **AscendRLNPUIPCWeightTransferUpdateInfo.fields_from_specs(specs),
+            **super().payload(specs, plan),
             "buffers": self._rings(plan),
             "update_id": self.update_id,
         }
@@ -289,11 +280,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
         """The sender's steps, seen from another rank: its ring to the sender; if the update
         opened, its workers' verdict to every rank, and on go, the buckets."""
-        reason = self.not_ready()
-        if reason:
-            raise WeightSyncError(
-                f"weight transfer is not usable ({reason}): call trainer_init again"
-            )
         try:
             self._rings(plan)
             if self._sender_says(None) is not None:  # the sender's start failed: no update
@@ -316,16 +302,26 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
         return {chip: handles for _, _, chip, handles in answers}
 
     def _agree(self, plan: list[Bucket], poll: Poll) -> Verdict:
-        """This rank's workers' lowest verdict on ``plan``, then every rank's; the lowest goes
-        to the workers that said GO."""
+        """This rank's workers' lowest verdict on ``plan`` (a GO for other buckets refuses it),
+        then every rank's; the lowest goes to the workers that said GO."""
+        sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
         replies: list[Ready] = []
 
         def lowest_here() -> tuple[Verdict, str | None]:
-            replies.extend(self._ready(poll))
-            return _lowest(_on_plan(replies, plan))
+            for d in self.doorbells:
+                replies.append(d.expect(Ready, self.update_id, "update handshake", poll))
+            return _lowest(
+                [
+                    other if r.verdict == Verdict.GO and r.plan != sig else (r.verdict, r.reason)
+                    for r in replies
+                ]
+            )
 
         verdict, reason = _lowest(self._share(lowest_here))
-        self._go(replies, Go(id=self.update_id, verdict=verdict, reason=reason))
+        go = Go(id=self.update_id, verdict=verdict, reason=reason)
+        for d, r in zip(self.doorbells, replies, strict=True):
+            if r.verdict == Verdict.GO:  # every worker that said GO waits for the verdict
+                d.send(go)
         return verdict
 
     def _ring_handles(self, plan: list[Bucket]) -> list[dict[str, Any]]:
@@ -337,15 +333,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
                 for _ in range(self.init_info.packed_num_buffers)
             )
         return [b.handle for b in self.ring]
-
-    def _ready(self, poll: Poll) -> list[Ready]:
-        """This rank's workers' replies, as they sent them."""
-        return [d.expect(Ready, self.update_id, "update handshake", poll) for d in self.doorbells]
-
-    def _go(self, replies: list[Ready], go: Go) -> None:
-        for d, r in zip(self.doorbells, replies, strict=True):
-            if r.verdict == Verdict.GO:  # every worker that said GO waits for the verdict
-                d.send(go)
 
     def _stream(self, plan: list[Bucket], pairs: Pairs, poll: Poll) -> None:
         """Copy each bucket (larger ones in slot-sized pieces) into the next slot and ring this
@@ -386,15 +373,6 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
                 dist.destroy_process_group(self.group)
             self.group = None
         _release(self.ring)
-
-
-def _on_plan(workers: list[Ready], plan: list[Bucket]) -> list[tuple[Verdict, str | None]]:
-    """Each worker's verdict and reason; a GO for other buckets than ``plan`` refuses it."""
-    sig, other = plan_signature(plan), (Verdict.REFUSED, "the worker planned other buckets")
-    return [
-        other if r.verdict == Verdict.GO and r.plan != sig else (r.verdict, r.reason)
-        for r in workers
-    ]
 
 
 def _lowest(answers: list[tuple[Verdict, str | None]]) -> tuple[Verdict, str | None]:

@@ -26,7 +26,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import StepHold
 from vllm_ascend_rl.weight_transfer import TransportError
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, TensorSpec, total_bytes
-from vllm_ascend_rl.weight_transfer.wire import Verdict, plan_for
+from vllm_ascend_rl.weight_transfer.wire import CheckpointUpdateInfo, Verdict, plan_for
 
 if TYPE_CHECKING:
     from vllm_ascend_rl.weight_transfer.hccl import HCCLTrainerInitInfo
@@ -132,9 +132,7 @@ def check_world_size(client: Any, world_size: int, timeout_s: float = 30) -> Non
     if not base_url:
         return
     try:
-        r = requests.get(
-            f"{base_url}/get_world_size", params={"include_dp": "true"}, timeout=timeout_s
-        )
+        r = requests.get(f"{base_url}/get_world_size?include_dp=true", timeout=timeout_s)
         r.raise_for_status()
         workers = int(r.json()["world_size"])
     except Exception as e:  # the init call will report an unreachable server itself
@@ -219,15 +217,15 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
     def _send(self, weight_version: str | None) -> SyncResult:
         specs = source_specs(self.source)
         plan = plan_for(self.init_info, specs, self.alone_bytes)
-        if not self.is_sender:
-            self.follow(specs, plan)
-            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
         reason = self.not_ready()
         if reason:
             raise WeightSyncError(
                 f"weight transfer is not usable ({reason}): call trainer_init again",
                 "not_connected",
             )
+        if not self.is_sender:
+            self.follow(specs, plan)
+            return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
         started = time.perf_counter()
         nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
         try:
@@ -281,11 +279,11 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
 
     @abstractmethod
     def not_ready(self) -> str | None:
-        """Why the connection cannot carry an update now, or None."""
+        """Why this rank's connection cannot carry an update now, or None."""
 
-    @abstractmethod
     def payload(self, specs: list[TensorSpec], plan: list[Bucket]) -> dict:
         """The transport's update_info fields for this update."""
+        return CheckpointUpdateInfo.fields_from_specs(specs)
 
     @abstractmethod
     def agree(self, plan: list[Bucket], update: BackgroundCall) -> Verdict:
@@ -299,9 +297,11 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
     def abort(self) -> None:
         """Give up the connection after a failure in the middle of an update."""
 
-    @abstractmethod
     def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """A non-sender rank's part of an update."""
+        """A non-sender rank's part of an update; by default it only iterates the source (its
+        gathers are collectives)."""
+        for _ in self.source:
+            pass
 
     def succeeded(self) -> None:
         """``finish_weight_update`` returned."""
