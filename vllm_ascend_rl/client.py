@@ -6,9 +6,8 @@ carry the server's message."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Any, Literal
 
 import requests
@@ -45,10 +44,8 @@ class FanOutError(EngineControlError):
         self.undone = {
             u: (r if isinstance(r, EngineControlError) else None) for u, r in undone.items()
         }
-        parts = [
-            f"{route} failed on {len(failures)} engine(s): "
-            + "; ".join(map(str, failures.values()))
-        ]
+        failed = "; ".join(map(str, failures.values()))
+        parts = [f"{route} failed on {len(failures)} engine(s): {failed}"]
         if ok := [u for u, r in self.undone.items() if r is None]:
             parts.append(f"{undo} sent to the engine(s) where it had taken effect: {', '.join(ok)}")
         if bad := [r for r in self.undone.values() if r is not None]:
@@ -74,22 +71,7 @@ def error_message(response: requests.Response) -> str:
     except ValueError:
         return response.text[:2000]
     err = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(err, dict):
-        return str(err.get("message", err))
-    return str(err)
-
-
-def _each(urls: Sequence[str], call: Callable[[str], Any]) -> dict[str, Any]:
-    """``{url: call(url), or the EngineControlError it raised}``, every call at once."""
-
-    def one(url: str) -> Any:
-        try:
-            return call(url)
-        except EngineControlError as e:
-            return e
-
-    with ThreadPoolExecutor(len(urls)) as pool:
-        return dict(zip(urls, pool.map(one, urls), strict=True))
+    return str(err.get("message", err) if isinstance(err, dict) else err)
 
 
 class EngineControlClient:
@@ -107,13 +89,7 @@ class EngineControlClient:
         self.timeout_s = timeout_s
 
     def _call(
-        self,
-        url: str,
-        method: str,
-        route: str,
-        params: Any = None,
-        json: Any = None,
-        timeout_s: float | None = None,
+        self, url: str, method: str, route: str, params: Any, json: Any, timeout_s: float | None
     ) -> Any:
         try:
             # A fresh connection per call: Starlette closes the connection after an unhandled
@@ -130,6 +106,18 @@ class EngineControlClient:
         except ValueError:
             return r.text
 
+    def _each(self, urls: Sequence[str], *args: Any) -> dict[str, Any]:
+        """``{url: _call(url, *args), or the EngineControlError it raised}``, all at once."""
+
+        def one(url: str) -> Any:
+            try:
+                return self._call(url, *args)
+            except EngineControlError as e:
+                return e
+
+        with ThreadPoolExecutor(len(urls)) as pool:
+            return dict(zip(urls, pool.map(one, urls), strict=True))
+
     def request(
         self,
         method: str,
@@ -144,20 +132,16 @@ class EngineControlClient:
         report the failures."""
         if self.node_rank != 0:
             return None
-        call = partial(
-            self._call, method=method, route=route, params=params, json=json, timeout_s=timeout_s
-        )
+        args = (method, route, params, json, timeout_s)
         if len(self.urls) == 1:
-            return [call(self.urls[0])]
-        outcomes = _each(self.urls, call)
+            return [self._call(self.urls[0], *args)]
+        outcomes = self._each(self.urls, *args)
         failed = {u: o for u, o in outcomes.items() if isinstance(o, EngineControlError)}
         if not failed:
             return [outcomes[u] for u in self.urls]
         undo = UNDO.get(route)
         done = [u for u in self.urls if u not in failed]
-        undone = (
-            _each(done, partial(self._call, method="POST", route=undo)) if undo and done else {}
-        )
+        undone = self._each(done, "POST", undo, None, None, None) if undo and done else {}
         raise FanOutError(route, failed, undo, undone)
 
     def agreed(self, values: Iterable[Any], what: str) -> Any:
@@ -167,7 +151,6 @@ class EngineControlClient:
             raise EnginesDisagree(what, dict(zip(self.urls, values, strict=True)))
         return values[0]
 
-    # -- pause / resume ------------------------------------------------------------------
     def pause(
         self, mode: PauseMode = "keep", clear_cache: bool = True, timeout_s: float | None = None
     ) -> None:
@@ -176,12 +159,8 @@ class EngineControlClient:
         the weights loaded at resume; ``clear_cache=False`` keeps their (then stale) KV cache.
         A completed pause counts in :mod:`vllm_ascend_rl.metrics` (``pause_seconds``)."""
         started = time.perf_counter()
-        self.request(
-            "POST",
-            "/pause",
-            {"mode": mode, "clear_cache": str(clear_cache).lower()},
-            timeout_s=timeout_s,
-        )
+        params = {"mode": mode, "clear_cache": str(clear_cache).lower()}
+        self.request("POST", "/pause", params, timeout_s=timeout_s)
         metrics.record({"pauses": 1, "pause_seconds": time.perf_counter() - started}, mode=mode)
 
     def resume(self) -> None:
@@ -191,7 +170,6 @@ class EngineControlClient:
         out = self.request("GET", "/is_paused")
         return None if out is None else self.agreed((o["is_paused"] for o in out), "is_paused")
 
-    # -- sleep / wake --------------------------------------------------------------------
     def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         self.request("POST", "/sleep", {"level": level, "mode": mode})
 
@@ -217,19 +195,12 @@ class EngineControlClient:
         return sorted({name for o in out or () for name in o["mismatches"]})
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        self.request(
-            "POST",
-            "/reset_prefix_cache",
-            {"reset_running_requests": str(reset_running_requests).lower()},
-        )
+        params = {"reset_running_requests": str(reset_running_requests).lower()}
+        self.request("POST", "/reset_prefix_cache", params)
 
     def reload_weights(self, weights_path: str) -> None:
         """Reload the weights from a checkpoint on the server's disk (vLLM's layerwise reload)."""
-        self.request(
-            "POST",
-            "/collective_rpc",
-            json={"method": "reload_weights", "kwargs": {"weights_path": str(weights_path)}},
-        )
+        self.collective_rpc("reload_weights", weights_path=str(weights_path))
 
     def collective_rpc(self, method: str, **kwargs: str) -> list[Any] | None:
         """``method`` on every worker of every engine (``/collective_rpc``); results per engine."""

@@ -50,8 +50,12 @@ def record(counts: dict[str, float], **labels: str) -> None:
             if name not in HELP:
                 raise KeyError(f"unknown metric {name!r}")
             _values[(name, key)] = _values.get((name, key), 0.0) + amount
-        if _snapshot is not None:
-            _write_snapshot(_snapshot)
+        # No directory: no API server collects them (offline LLM, or before it is up).
+        if _snapshot is not None and os.path.isdir(os.path.dirname(_snapshot)):
+            tmp = f"{_snapshot}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump([[n, dict(pairs), v] for (n, pairs), v in _values.items()], f)
+            os.replace(tmp, _snapshot)
 
 
 def values() -> dict[tuple[str, Labels], float]:
@@ -88,16 +92,6 @@ def engine_worker(vllm_config: Any, worker: int) -> None:
     instance = getattr(vllm_config, "instance_id", "")
     if instance:
         _snapshot = os.path.join(engine_metrics_dir(instance), f"worker-{worker}.json")
-
-
-def _write_snapshot(path: str) -> None:
-    if not os.path.isdir(os.path.dirname(path)):
-        return  # no API server collects them (offline LLM, or before it is up)
-    rows = [[name, dict(labels), v] for (name, labels), v in _values.items()]
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f)
-    os.replace(tmp, path)
 
 
 def engine_rows(directory: str) -> Iterator[Row]:

@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import itertools
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,7 +33,6 @@ from vllm_ascend_rl.router.stitch import (
     RouterError,
     error_body,
     merge_logprobs,
-    piece_of,
     shift_offsets,
 )
 
@@ -58,16 +58,20 @@ def is_data_plane(path: str) -> bool:
 @dataclass
 class Engines:
     urls: list[str]
-    in_flight: dict[str, int] = field(default_factory=dict)
-    requests: dict[str, int] = field(default_factory=dict)
+    in_flight: Counter[str] = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)
     resends: int = 0
     _tie: itertools.count = field(default_factory=itertools.count)
 
     def pick(self) -> str:
         """Fewest requests in flight through this router; ties rotate."""
-        low = min(self.in_flight.get(u, 0) for u in self.urls)
-        tied = [u for u in self.urls if self.in_flight.get(u, 0) == low]
+        low = min(self.in_flight[u] for u in self.urls)
+        tied = [u for u in self.urls if self.in_flight[u] == low]
         return tied[next(self._tie) % len(tied)]
+
+
+def event(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
 
 
 def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -> FastAPI:
@@ -86,39 +90,37 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     async def refuse(_request: Request, e: RouterError) -> Response:
         return JSONResponse(error_body(e.status, str(e)), e.status)
 
-    async def release(url: str, resp: aiohttp.ClientResponse) -> None:
-        engines.in_flight[url] -= 1
-        resp.release()
-
-    async def call(completion: Completion, stream: bool) -> tuple[str, aiohttp.ClientResponse]:
+    @asynccontextmanager
+    async def call(
+        completion: Completion, stream: bool
+    ) -> AsyncIterator[tuple[str, aiohttp.ClientResponse]]:
+        """The next engine call, in flight until its response is released."""
         url = engines.pick()
-        engines.in_flight[url] = engines.in_flight.get(url, 0) + 1
-        engines.requests[url] = engines.requests.get(url, 0) + 1
+        engines.in_flight[url] += 1
+        engines.requests[url] += 1
         body = completion.next_body(stream)
         try:
-            resp = await app.state.session.post(url + "/v1/completions", json=body)
+            async with app.state.session.post(url + "/v1/completions", json=body) as resp:
+                if resp.status != 200:
+                    raise RouterError(resp.status, await resp.text())
+                yield url, resp
         except (aiohttp.ClientError, TimeoutError) as e:
-            engines.in_flight[url] -= 1
             raise RouterError(502, f"engine {url} failed: {type(e).__name__}: {e}") from e
-        if resp.status != 200:
-            text = await resp.text()
-            await release(url, resp)
-            raise RouterError(resp.status, text)
-        return url, resp
+        finally:
+            engines.in_flight[url] -= 1
 
     async def complete(completion: Completion) -> dict:
         text, first, logprobs = "", None, None
         while True:
-            url, resp = await call(completion, stream=False)
-            try:
-                data = await resp.json()
-            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-                raise RouterError(502, f"engine {url} failed mid-response: {e}") from e
-            finally:
-                await release(url, resp)
+            async with call(completion, stream=False) as (url, resp):
+                try:
+                    data = await resp.json()
+                except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                    raise RouterError(502, f"engine {url} failed mid-response: {e}") from e
             first = first or data
             choice = data["choices"][0]
-            piece = piece_of(choice, data.get("usage"))
+            piece = Piece(text=choice.get("text") or "", usage=data.get("usage"))
+            piece.add(choice)
             logprobs = merge_logprobs(logprobs, choice.get("logprobs"), len(text))
             text += piece.text
             if not completion.absorb(piece):
@@ -132,20 +134,18 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
     async def stream(completion: Completion) -> AsyncIterator[bytes]:
         """The stitched stream; a failure ends it with an error event, never silently."""
         try:
-            async for event in stitched(completion):
-                yield event
-        except (RouterError, aiohttp.ClientError, TimeoutError) as e:
-            status = e.status if isinstance(e, RouterError) else 502
-            yield f"data: {json.dumps(error_body(status, f'router: {e}'))}\n\n".encode()
+            async for data in stitched(completion):
+                yield data
+        except RouterError as e:  # call() makes the engine's aiohttp errors RouterErrors
+            yield event(error_body(e.status, f"router: {e}"))
             yield b"data: [DONE]\n\n"
 
     async def stitched(completion: Completion) -> AsyncIterator[bytes]:
         first_id, text_len = None, 0
         while True:
-            url, resp = await call(completion, stream=True)
-            piece = Piece([], "", None, None, None)
+            piece = Piece()
             held: dict = {}  # the finishing chunk, sent only if not a bounce
-            try:
+            async with call(completion, stream=True) as (url, resp):
                 async for raw in resp.content:
                     line = raw.decode().strip()
                     if not line.startswith("data:") or line == "data: [DONE]":
@@ -157,44 +157,31 @@ def build_app(urls: list[str], max_resends: int = 16, timeout_s: float = 3600) -
                         piece.usage = chunk["usage"]
                         continue
                     for choice in chunk.get("choices", []):
-                        piece.token_ids += choice.get("token_ids") or []
-                        if piece.prompt_token_ids is None:
-                            piece.prompt_token_ids = choice.get("prompt_token_ids")
-                        if choice.get("finish_reason") is not None:
-                            piece.finish_reason = choice["finish_reason"]
-                            piece.stop_reason = choice.get("stop_reason")
                         shift_offsets(choice.get("logprobs"), text_len)
                         text_len += len(choice.get("text") or "")
+                        piece.add(choice)
                         completion.shape_choice(choice)
                         if completion.resends:  # the client has the prompt's ids already
                             choice.pop("prompt_token_ids", None)
                     if piece.finish_reason is not None:
                         held = chunk
                     else:
-                        yield f"data: {json.dumps(chunk)}\n\n".encode()
-            finally:
-                await release(url, resp)
+                        yield event(chunk)
             if piece.finish_reason is None:
                 raise RouterError(502, f"engine {url} ended the stream without finishing it")
-            if completion.absorb(piece):
-                engines.resends += 1
-                # vLLM merges delta outputs a slow reader has not taken yet, so the bounce's
-                # chunk may carry the last tokens: pass them on without its finish.
-                if any(c.get("token_ids") or c.get("text") for c in held["choices"]):
-                    for choice in held["choices"]:
-                        choice["finish_reason"] = choice["stop_reason"] = None
-                    yield f"data: {json.dumps(held)}\n\n".encode()
-                continue
-            yield f"data: {json.dumps(held)}\n\n".encode()
-            if piece.usage is not None:
-                usage: dict[str, Any] = {
-                    "id": first_id,
-                    "choices": [],
-                    "usage": completion.usage(piece.usage),
-                }
-                yield f"data: {json.dumps(usage)}\n\n".encode()
-            yield b"data: [DONE]\n\n"
-            return
+            if not completion.absorb(piece):
+                break
+            engines.resends += 1
+            # vLLM merges delta outputs a slow reader has not taken yet, so the bounce's
+            # chunk may carry the last tokens: pass them on without its finish.
+            if any(c.get("token_ids") or c.get("text") for c in held["choices"]):
+                for choice in held["choices"]:
+                    choice["finish_reason"] = choice["stop_reason"] = None
+                yield event(held)
+        yield event(held)
+        if piece.usage is not None:
+            yield event({"id": first_id, "choices": [], "usage": completion.usage(piece.usage)})
+        yield b"data: [DONE]\n\n"
 
     async def payload(request: Request, required: bool = False) -> Any:
         body = await request.body()

@@ -3,7 +3,7 @@ the body of the next call (prompt + tokens so far, the tokens still to generate)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_ascend_rl.core import BOUNCE_FINISH_REASON, BOUNCE_STOP_REASON
@@ -19,16 +19,26 @@ class RouterError(Exception):
 class Piece:
     """What one engine call produced of a routed completion."""
 
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: Any
-    prompt_token_ids: list[int] | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    prompt_token_ids: list[int] | None = None
     usage: dict | None = None
 
     @property
     def bounced(self) -> bool:
         return (self.finish_reason, self.stop_reason) == (BOUNCE_FINISH_REASON, BOUNCE_STOP_REASON)
+
+    def add(self, choice: dict) -> None:
+        """Take in a choice of an engine's answer, whole or one chunk of a stream; not its text,
+        which the caller keeps (a stream's would be copied on every chunk)."""
+        self.token_ids += choice.get("token_ids") or []
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids = choice.get("prompt_token_ids")
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+            self.stop_reason = choice.get("stop_reason")
 
 
 class Completion:
@@ -75,13 +85,9 @@ class Completion:
     def usage(self, last: dict | None) -> dict | None:
         if last is None:
             return None
-        prompt = len(self.prompt_ids or [])
-        return dict(
-            last,
-            prompt_tokens=prompt,
-            completion_tokens=len(self.generated),
-            total_tokens=prompt + len(self.generated),
-        )
+        prompt, completion = len(self.prompt_ids or []), len(self.generated)
+        total = prompt + completion
+        return dict(last, prompt_tokens=prompt, completion_tokens=completion, total_tokens=total)
 
     def shape_choice(self, choice: dict) -> dict:
         """Drop the token ids we asked for if the client did not ask for them."""
@@ -94,17 +100,6 @@ class Completion:
 def error_body(status: int, message: str) -> dict:
     """vLLM's error shape, so clients parse router errors like engine errors."""
     return {"error": {"message": message, "code": status}}
-
-
-def piece_of(choice: dict, usage: dict | None = None) -> Piece:
-    return Piece(
-        token_ids=list(choice.get("token_ids") or []),
-        text=choice.get("text") or "",
-        finish_reason=choice.get("finish_reason"),
-        stop_reason=choice.get("stop_reason"),
-        prompt_token_ids=choice.get("prompt_token_ids"),
-        usage=usage,
-    )
 
 
 def shift_offsets(logprobs: dict | None, by: int) -> None:
