@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
@@ -86,10 +87,6 @@ TRANSITIONS: dict[tuple[ConnState, ConnEvent], ConnState] = {
 ANONYMOUS = "(anonymous)"  # the trainer of an init or update that names none (by hand)
 
 
-def _named(trainer: str) -> str:
-    return trainer or ANONYMOUS
-
-
 class NotConnected(RuntimeError):
     """A call that needs the owner's connection, with none up."""
 
@@ -132,8 +129,9 @@ class Connection(Generic[L]):
         """At init: refuse (ValueError, nothing changed) if another trainer owns the channel;
         else close the current link and make ``trainer`` the owner, CONNECTING."""
         self._check_deadline_and_peer()
+        trainer = trainer or ANONYMOUS
         live = self.state in (ConnState.CONNECTING, ConnState.UP)
-        if live and self.trainer != _named(trainer):
+        if live and self.trainer != trainer:
             raise ValueError(
                 f"refused init_weight_transfer_engine: the weight channel belongs to "
                 f"{self.describe()}. It is released when that trainer shuts its engine down or "
@@ -141,7 +139,7 @@ class Connection(Generic[L]):
             )
         self.close("replaced by a new init_weight_transfer_engine")
         self._fire(ConnEvent.CLAIM)
-        self.trainer, self.since = _named(trainer), time.strftime("%H:%M:%S")
+        self.trainer, self.since = trainer, time.strftime("%H:%M:%S")
         self.timeout_s, self.deadline = timeout_s, time.monotonic() + timeout_s
 
     def close(self, why: str) -> None:
@@ -156,9 +154,9 @@ class Connection(Generic[L]):
         Given the trainer an update comes from, NotOwner unless it is the channel's owner."""
         self._check_deadline_and_peer()
         if self._link is not None:
-            if owner is not None and _named(owner) != self.trainer:
+            if owner is not None and (owner or ANONYMOUS) != self.trainer:
                 raise NotOwner(
-                    f"this update comes from trainer {_named(owner)}, but the weight channel "
+                    f"this update comes from trainer {owner or ANONYMOUS}, but the weight channel "
                     f"belongs to {self.describe()}: only the trainer that made the channel may "
                     "update through it"
                 )
@@ -194,26 +192,21 @@ class Connection(Generic[L]):
         """Run ``connect(deadline)`` for the init just claimed on a thread of its own, which
         then watches the trainer until it leaves; unless ``background``, wait here until the
         connect has settled, raising its error."""
-        settled, failed = threading.Event(), list[Exception]()
-        run = (connect, settled, failed)
+        settled: Future[None] = Future()
+        run = (connect, settled)
         self._thread = threading.Thread(target=self._run, args=run, name="weight-connection")
         self._thread.daemon = True
         self._thread.start()
         if not background:
-            settled.wait()  # the connect itself is bounded by the deadline
-            if failed:
-                raise failed[0]
+            settled.result()  # raises the connect's error; the connect is bounded by the deadline
 
-    def _run(
-        self, connect: Callable[[float], L], settled: threading.Event, failed: list[Exception]
-    ) -> None:
+    def _run(self, connect: Callable[[float], L], settled: Future[None]) -> None:
         try:
             self._settle(connect)
-        except Exception as e:
-            failed.append(e)
+        except BaseException as e:
+            settled.set_exception(e)
             return
-        finally:
-            settled.set()
+        settled.set_result(None)
         while True:
             time.sleep(WATCH_TICK_S)
             with self.lock:

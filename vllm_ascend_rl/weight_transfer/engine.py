@@ -45,16 +45,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-U_contra = TypeVar("U_contra", bound=CheckpointUpdateInfo, contravariant=True)
-
-
-class EngineLink(Link, Protocol[U_contra]):
+class EngineLink(Link, Protocol):
     """What a transport does for one update (worker thread, lock held). A link that breaks
     raises; the engine then closes it before anything else runs."""
 
-    def agree(
-        self, verdict: Verdict, reason: str | None, plan: list[Bucket], info: U_contra
-    ) -> None:
+    def agree(self, verdict: Verdict, reason: str | None, plan: list[Bucket], info: Any) -> None:
         """The handshake: raises (WeightUpdateRefused) unless every side goes ahead with
         ``plan``."""
 

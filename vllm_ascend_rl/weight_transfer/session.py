@@ -164,16 +164,15 @@ class UpdateSession:
         """The state ``event`` leads to; IllegalTransition if forbidden (UpdateCancelled after a
         cancellation, saying why)."""
         after = TRANSITIONS.get((self.state, event))
-        if after is None and self.state is State.CANCELLED:
+        if after is not None:
+            return after
+        if self.state is State.CANCELLED:
             raise UpdateCancelled(self.cancelled or "the weight update was cancelled")
-        if after is None:
-            raise IllegalTransition(self._illegal(event))
-        return after
-
-    def _illegal(self, event: Event) -> str:
         if event is Event.RECEIVE:
-            return "update_weights called without start_weight_update"
-        return f"{event.value} is not allowed while the weight update is {self.state.value}"
+            raise IllegalTransition("update_weights called without start_weight_update")
+        raise IllegalTransition(
+            f"{event.value} is not allowed while the weight update is {self.state.value}"
+        )
 
     # -- events ------------------------------------------------------------------------
     def start(self) -> None:
@@ -300,13 +299,9 @@ class UpdateSession:
                 "update completes",
             )
         if restored:
-            metrics.record(
-                {
-                    "weight_restore_bytes": restored_bytes,
-                    "weight_restore_seconds": time.perf_counter() - started,
-                },
-                backend=self.backend,
-            )
+            seconds = time.perf_counter() - started
+            figures = {"weight_restore_bytes": restored_bytes, "weight_restore_seconds": seconds}
+            metrics.record(figures, backend=self.backend)
         if kept:
             self.readiness.set(
                 Readiness.NOT_WHOLE,
@@ -342,12 +337,9 @@ class UpdateSession:
         allocated, peak = self.pool.end_update()
         if allocated and result == "ok" and time.monotonic() >= self.hw.hang_until:
             self.hw.empty_cache()  # a device-wide sync: never behind a hung collective
-        logger.info(
-            "receive pool: %.1f MiB allocated by this update, peak %.1f MiB (bound %.1f MiB)",
-            allocated / 2**20,
-            peak / 2**20,
-            self.pool.max_bytes / 2**20,
-        )
+        mib = [n / 2**20 for n in (allocated, peak, self.pool.max_bytes)]
+        text = "receive pool: %.1f MiB allocated by this update, peak %.1f MiB (bound %.1f MiB)"
+        logger.info(text, *mib)
 
     def _set_guard(self) -> None:
         """The forward pre-hook is on while an update is open or the weights are not whole."""
