@@ -8,10 +8,9 @@ The plugin scheduler learns it from a :class:`StepGate`, at every step and every
 worker announces its readiness when it changes, and the sleepable workers which of their memory
 pools a sleep released, as a line on a Unix stream socket in Linux's abstract namespace that
 the scheduler listens on (no file to clean up), sent before the call that changed it returns to
-the engine core. The engine core runs those calls and the steps on one
-thread, so the step after ``start_weight_update`` already sees the update open, with no
-per-step call to the workers; graph replay cannot skip a check that runs before the step is
-scheduled."""
+the engine core. The engine core runs those calls and the steps on one thread, so the step
+after ``start_weight_update`` already sees the update open, with no per-step call to the
+workers; graph replay cannot skip a check that runs before the step is scheduled."""
 
 from __future__ import annotations
 
@@ -87,20 +86,19 @@ class ModelReadiness:
         parallel = vllm_config.parallel_config
         if parallel.data_parallel_size > 1 and vllm_config.model_config.is_moe:
             return StepHold.LOCKSTEP
-        return StepHold.GATE if self._linked() else StepHold.NONE
+        return StepHold.GATE if self._linked() is not None else StepHold.NONE
 
-    def _linked(self) -> bool:
-        """Whether the stream connection to the gate is made (now, if it was not)."""
+    def _linked(self) -> socket.socket | None:
+        """The stream connection to the gate, made now if it was not; None if there is none."""
         if self._link is None and self._gate is not None:
             link = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             link.settimeout(30.0)
             try:
                 link.connect(self._gate[0])
+                self._link = link
             except OSError:
                 link.close()
-                return False
-            self._link = link
-        return self._link is not None
+        return self._link
 
     def _announce(self) -> None:
         """One line of JSON on the stream connection to the gate, made at the first change (the
@@ -114,7 +112,7 @@ class ModelReadiness:
             "released": self.released,
         }
         for _attempt in range(2):  # a link the gate closed is made again once
-            link = self._link if self._linked() else None
+            link = self._linked()
             if link is None:
                 break
             try:
@@ -173,10 +171,6 @@ class StepGate:
         self.unready: dict[int, tuple[str, bool]] = {}  # worker -> (reason, an open update?)
         self.released: dict[int, list[str]] = {}  # worker -> its sleep pools not resident
 
-    def reason(self) -> str | None:
-        """Why no step may run now (as last read), or None."""
-        return next(iter(self.unready.values()))[0] if self.unready else None
-
     def resume_refusal(self) -> str | None:
         """Why generation must not resume (as last read): some worker's model is not whole, or
         a sleep left some of its memory released. An open update does not refuse a resume: the
@@ -192,8 +186,7 @@ class StepGate:
 
     def drain(self, wait_s: float = 0.0) -> bool:
         """Read every announcement waiting, first waiting up to ``wait_s`` for one while
-        closed; whether some worker became unready. A worker's announcement is sent before the
-        call that changed it returns to the engine core."""
+        closed; whether some worker became unready."""
         if self.unready and wait_s > 0:
             select.select([self.listener, *self.links], [], [], wait_s)
         while True:
@@ -205,34 +198,25 @@ class StepGate:
             self.links[link] = b""
         closed = False
         for link in list(self.links):
-            data, alive = self._read(link)
-            *lines, rest = (self.links.pop(link) + data).split(b"\n")
+            data, alive = self.links.pop(link), True  # after the partial line kept before
+            while alive:
+                try:
+                    chunk = link.recv(65536)
+                except BlockingIOError:  # nothing more now
+                    break
+                data += chunk
+                alive = bool(chunk)  # b"": the worker is gone (its process ended)
+            *lines, rest = data.split(b"\n")
             if alive:
                 self.links[link] = rest
-            else:  # the worker is gone (its process ended)
+            else:
                 link.close()
-            for line in lines:
-                closed |= self._apply(json.loads(line))
+            for news in map(json.loads, lines):
+                worker = news["worker"]
+                self.released[worker] = news["released"]
+                if news["reason"] is None:
+                    self.unready.pop(worker, None)
+                else:
+                    self.unready[worker] = (news["reason"], news["updating"])
+                    closed = True
         return closed
-
-    @staticmethod
-    def _read(link: socket.socket) -> tuple[bytes, bool]:
-        """What ``link`` has now, and whether it is still open."""
-        data = b""
-        while True:
-            try:
-                chunk = link.recv(65536)
-            except BlockingIOError:
-                return data, True
-            if not chunk:
-                return data, False
-            data += chunk
-
-    def _apply(self, news: dict[str, Any]) -> bool:
-        worker = news["worker"]
-        self.released[worker] = news["released"]
-        if news["reason"] is None:
-            self.unready.pop(worker, None)
-            return False
-        self.unready[worker] = (news["reason"], news["updating"])
-        return True

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from types import FrameType
+from itertools import islice
+from traceback import walk_stack
 from typing import Any
 
 ENGINE_CORE_CALLS = frozenset({"sleep", "wake_up", "resume_scheduler"})
@@ -28,13 +29,10 @@ class EngineCoreCall:
 def engine_core_call(scheduler: Any) -> EngineCoreCall:
     """The engine-core call that led to the scheduler method asking (its caller's caller)."""
     found = EngineCoreCall()
-    frame: FrameType | None = sys._getframe(2)  # this function and the scheduler's method
-    for _ in range(_MAX_DEPTH):
-        if frame is None:
-            break
+    callers = walk_stack(sys._getframe(2))  # above this function and the scheduler's method
+    for frame, _ in islice(callers, _MAX_DEPTH):
         owner = frame.f_locals.get("self")
         name = frame.f_code.co_name
         if name in ENGINE_CORE_CALLS and getattr(owner, "scheduler", None) is scheduler:
             found = EngineCoreCall(name, dict(frame.f_locals))
-        frame = frame.f_back
     return found

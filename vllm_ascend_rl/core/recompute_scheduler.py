@@ -93,7 +93,16 @@ class RecomputeScheduler(Scheduler):
         """Upstream's, behind the step gate: while a worker's model is not whole nothing is
         scheduled, as under ``pause(keep)``; running requests are preempted when it closes,
         so they resume by recomputing on the weights that reopen it."""
-        closed = self._step_gate_closed()
+        # Read again after a short wait if closed: no busy loop while it stays closed.
+        closed = self._read_step_gate() and self._read_step_gate(GATE_POLL_S)
+        if self._stale_kv:
+            self._stale_kv = False
+            try:
+                self.reset_prefix_cache(reset_running_requests=True)
+            except RuntimeError as e:  # blocks a KV connector still holds: those stay cached
+                logger.error("step gate: the prefix cache could not be reset: %s", e)
+            else:
+                logger.info("step gate closed: running requests recompute when it opens")
         pause_state = self._pause_state
         if closed:
             self._pause_state = PauseState.PAUSED_ALL
@@ -105,29 +114,14 @@ class RecomputeScheduler(Scheduler):
             self._in_schedule = False
             self._pause_state = pause_state
 
-    def _step_gate_closed(self) -> bool:
-        """Whether no step may run now."""
-        reason = self._read_step_gate()
-        if reason is not None:
-            reason = self._read_step_gate(GATE_POLL_S)  # no busy loop while it stays closed
-        if self._stale_kv:
-            self._stale_kv = False
-            try:
-                self.reset_prefix_cache(reset_running_requests=True)
-            except RuntimeError as e:  # blocks a KV connector still holds: those stay cached
-                logger.error("step gate: the prefix cache could not be reset: %s", e)
-            else:
-                logger.info("step gate closed: running requests recompute when it opens")
-        return reason is not None
-
-    def _read_step_gate(self, wait_s: float = 0.0) -> str | None:
-        """The workers' news; why no step may run, or None. A worker that became unready while
-        generation was not paused makes the KV cache stale (it was computed on weights being
-        replaced): dropped as ``pause(keep)`` with ``clear_cache`` drops it. Under a pause the
-        pause's own ``clear_cache`` decided."""
+    def _read_step_gate(self, wait_s: float = 0.0) -> bool:
+        """The workers' news; whether the gate is closed (no step may run). A worker that
+        became unready while generation was not paused makes the KV cache stale (it was
+        computed on weights being replaced): dropped as ``pause(keep)`` with ``clear_cache``
+        drops it. Under a pause the pause's own ``clear_cache`` decided."""
         if self.gate.drain(wait_s) and self.pause_state == PauseState.UNPAUSED:
             self._stale_kv = True
-        return self.gate.reason()
+        return bool(self.gate.unready)
 
     def _preempt_request(
         self, request: Request, timestamp: float, drop_stale_output: bool = False
@@ -181,53 +175,46 @@ class RecomputeScheduler(Scheduler):
         # Keeps the engine stepping until a bounce's output is delivered, and while the step
         # gate holds requests. The engine core asks after every call it runs: the gate's news
         # is read here even when it is idle.
-        self._read_step_gate()
-        held = bool(self.gate.unready) and super().get_num_unfinished_requests() > 0
+        held = self._read_step_gate() and super().get_num_unfinished_requests() > 0
         return bool(self._bounced) or held or super().has_requests()
 
     # -- pause state across sleep and memory release ------------------------------------
     def set_pause_state(self, pause_state: PauseState) -> None:
         """Upstream's, except that generation cannot restart while memory is not resident or
         a worker's weights are not whole, and the resume that vLLM's ``wake_up`` issues keeps a
-        pause that was in force before the sleep."""
-        super().set_pause_state(self._checked_pause_state(pause_state))
-
-    def _checked_pause_state(self, pause_state: PauseState) -> PauseState:
-        """The state to set instead of ``pause_state``; raises to refuse the change.
-        Which engine-core call is asking: :mod:`vllm_ascend_rl.core.engine_calls`."""
+        pause that was in force before the sleep. Which engine-core call is asking:
+        :mod:`vllm_ascend_rl.core.engine_calls`."""
         call = engine_core_call(self)
-        args = call.args
-        if call.name == "sleep" and args.get("level") not in SLEEP_LEVELS:
+        level = call.args.get("level")
+        if call.name == "sleep" and level not in SLEEP_LEVELS:
             # vLLM 0.30.0's /sleep passes any level on and pauses before the workers refuse.
-            raise ValueError(f"sleep level {args.get('level')} is not supported: use 0, 1 or 2")
+            raise ValueError(f"sleep level {level} is not supported: use 0, 1 or 2")
         if pause_state != PauseState.UNPAUSED:
             if call.name == "sleep" and self._asleep is None:
                 self._asleep = self.pause_state  # the pause in force before the sleep
-            return pause_state
-        if call.name == "wake_up":
-            before = self.pause_state if self._asleep is None else self._asleep
+        elif call.name == "wake_up":
+            pause_state = self.pause_state if self._asleep is None else self._asleep
             self._asleep = None
-            if before != PauseState.UNPAUSED:
+            if pause_state != PauseState.UNPAUSED:
                 logger.warning(
                     "wake_up: keeping the pause (%s) taken before the engine slept or "
                     "released memory; call /resume to resume generation",
-                    before.name,
+                    pause_state.name,
                 )
-            return before
-        if self._asleep is not None:  # also a sleep still waiting for its pause, or failed
-            refusal: str | None = (
-                "the engine was put to sleep, and a step would run on memory that is not "
-                "resident; call /wake_up first (also after a /sleep that failed)"
-            )
         else:
             self._read_step_gate()  # the workers' news, read as every step reads it
             refusal = self.gate.resume_refusal()
-        if refusal is not None:
-            raise RuntimeError(
-                f"refusing to resume generation: {refusal}. The pause stays in force and "
-                "queued requests wait."
-            )
-        return pause_state
+            if self._asleep is not None:  # also a sleep still waiting for its pause, or failed
+                refusal = (
+                    "the engine was put to sleep, and a step would run on memory that is not "
+                    "resident; call /wake_up first (also after a /sleep that failed)"
+                )
+            if refusal is not None:
+                raise RuntimeError(
+                    f"refusing to resume generation: {refusal}. The pause stays in force and "
+                    "queued requests wait."
+                )
+        super().set_pause_state(pause_state)
 
 
 class AsyncRecomputeScheduler(AsyncScheduler, RecomputeScheduler):

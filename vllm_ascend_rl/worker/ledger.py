@@ -56,8 +56,7 @@ def moved(start: dict[str, int], now: dict[str, int]) -> dict[str, list[int | No
 
 
 class AddressLedger:
-    """Worker methods (``/collective_rpc``): ``address_ledger`` and ``moved_addresses``; as a
-    vLLM worker extension, the start is the first ``moved_addresses`` call."""
+    """Worker methods (``/collective_rpc``): ``address_ledger`` and ``moved_addresses``."""
 
     model_runner: Any
     _start_addresses: dict[str, int] | None = None

@@ -110,10 +110,9 @@ def _build_class() -> type:
                     if name in self._saved_buffers:
                         buffer.data.copy_(self._saved_buffers[name].to(buffer.device))
                 self._saved_buffers = {}
-            if (tags is None or "kv_cache" in tags) and hasattr(
-                self.model_runner, "post_kv_cache_wake_up"
-            ):
-                self.model_runner.post_kv_cache_wake_up()
+            post_wake = getattr(self.model_runner, "post_kv_cache_wake_up", None)
+            if post_wake is not None and (tags is None or "kv_cache" in tags):
+                post_wake()
 
         def discard(self, tags: tuple[str, ...]) -> None:
             self.camem_backend.discard(tags)
