@@ -19,7 +19,7 @@ from torch.distributed import Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from npu_standin.chip import check_own_chip, current_chip, host_chip
-from npu_standin.host_pool import HostAllocationMode, host_tensor
+from npu_standin.host_pool import HostAllocationMode
 from npu_standin.native import host_copy
 from vllm_ascend_rl.device.base import (
     Device,
@@ -103,10 +103,7 @@ class CpuDevice(Device):
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
-        def pooled(nbytes: int) -> torch.Tensor:
-            return host_tensor(allocator, allocator.allocate(nbytes, tag), nbytes, owned=True)
-
-        return HostAllocationMode(pooled)
+        return HostAllocationMode(allocator, tag)
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         check_own_chip(self.index)
