@@ -169,14 +169,13 @@ class QueuedCollectives:
 
     def _prune(self) -> int:
         """Forget the collectives that left the queue; how many remain (lock held)."""
-        self._works = [w for w in self._works if _queued(*w)]
+        now = time.monotonic()
+        self._works = [
+            (work, deadline)
+            for work, deadline in self._works
+            if now < deadline and not (work.is_completed() and work.exception() is None)
+        ]
         return len(self._works)
-
-
-def _queued(work: Any, deadline: float) -> bool:
-    if time.monotonic() >= deadline:
-        return False
-    return not (work.is_completed() and work.exception() is None)
 
 
 # torch_npu's caching allocator (2.10.0.post4): a request grows by a 32-byte pad on A2/A3
