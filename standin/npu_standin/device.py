@@ -189,14 +189,6 @@ MIN_LARGE_ALLOC, LARGE_SEGMENT = 10 << 20, 20 << 20
 ROUND_LARGE = 2 << 20
 
 
-def segment_size(nbytes: int) -> int:
-    if nbytes <= SMALL_SIZE:
-        return SMALL_SEGMENT
-    if nbytes < MIN_LARGE_ALLOC:
-        return LARGE_SEGMENT
-    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
-
-
 class _Segment:
     def __init__(self, size: int) -> None:
         self.name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
@@ -224,7 +216,12 @@ class SegmentCarver:
 
     def carve(self, nbytes: int, location: dict[str, str]) -> ExportedBuffer:
         block = -(-(nbytes + PAD) // MIN_BLOCK) * MIN_BLOCK
-        size = segment_size(block)
+        if block <= SMALL_SIZE:
+            size = SMALL_SEGMENT
+        elif block < MIN_LARGE_ALLOC:
+            size = LARGE_SEGMENT
+        else:
+            size = -(-block // ROUND_LARGE) * ROUND_LARGE
         with self._lock:
             seg = self._open.get(size)
             if seg is None or not seg.linked or seg.used + block > seg.size:
