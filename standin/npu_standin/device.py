@@ -193,7 +193,8 @@ class _Segment:
     def __init__(self, size: int) -> None:
         self.name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
         self.shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
-        self.size, self.used, self.blocks = size, 0, 0
+        self.size, self.used = size, 0
+        self.blocks: set[int] = set()  # the offsets of its blocks not yet released
         self.linked = True
 
     def unlink(self) -> None:
@@ -228,15 +229,11 @@ class SegmentCarver:
                 seg = self._open[size] = _Segment(size)
             offset = seg.used
             seg.used += block
-            seg.blocks += 1
-        released = [False]
+            seg.blocks.add(offset)
 
-        def release() -> None:
+        def release() -> None:  # idempotent: closing and unlinking again do nothing
             with self._lock:
-                if released[0]:
-                    return
-                released[0] = True
-                seg.blocks -= 1
+                seg.blocks.discard(offset)
                 if seg.blocks:
                     return
                 if self._open.get(size) is seg:
