@@ -95,11 +95,8 @@ class CpuDevice(Device):
     def empty_cache(self) -> None:
         self.synchronize()  # torch_npu's emptyCache synchronizes the device first
         # glibc keeps freed chunks below its (dynamic, up to 32 MiB) mmap threshold in its
-        # arenas; malloc_trim hands them back to the kernel.
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+        # arenas; malloc_trim hands them back to the kernel. (torch's Linux wheels need glibc.)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
