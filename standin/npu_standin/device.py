@@ -78,7 +78,7 @@ class CpuDevice(Device):
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Not torch's copy_: its OpenMP pool stalls for milliseconds per call while a colocated
         # vLLM CPU worker holds the cores. Small copies: numpy's memcpy on this thread; large
-        # ones: vmm.host_copy on plain threads, as one thread does not reach memory bandwidth.
+        # ones: native.host_copy on plain threads, as one thread does not reach memory bandwidth.
         n = dst.numel()
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
@@ -104,11 +104,11 @@ class CpuDevice(Device):
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         check_own_chip(self.index)
-        ctypes.memmove(out.data_ptr(), addr, out.numel() * out.element_size())
+        ctypes.memmove(out.data_ptr(), addr, out.nbytes)
 
     def write_device(self, addr: int, src: torch.Tensor) -> None:
         check_own_chip(self.index)
-        ctypes.memmove(addr, src.data_ptr(), src.numel() * src.element_size())
+        ctypes.memmove(addr, src.data_ptr(), src.nbytes)
 
     # -- IPC over POSIX shared memory ------------------------------------------------------
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
