@@ -14,12 +14,10 @@ constexpr uint64_t kMinPerThread = 4ull << 20;  // below this a thread costs mor
 constexpr uint64_t kMaxThreads = 8;
 
 // EINVAL, copying nothing, if an address is null or the ranges overlap.
-extern "C" VMM_API int standin_host_copy(void* dst_ptr, const void* src_ptr, uint64_t n,
-                                          uint64_t threads) {
-  auto dst = static_cast<unsigned char*>(dst_ptr);
-  auto src = static_cast<const unsigned char*>(src_ptr);
-  auto d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+extern "C" VMM_API int standin_host_copy(uint64_t d, uint64_t s, uint64_t n, uint64_t threads) {
   if (n != 0 && (d == 0 || s == 0 || (d < s + n && s < d + n))) return EINVAL;
+  auto dst = reinterpret_cast<unsigned char*>(d);
+  auto src = reinterpret_cast<const unsigned char*>(s);
   threads = std::min({threads, kMaxThreads, std::max<uint64_t>(1, n / kMinPerThread)});
   // Cache-line aligned slices; the calling thread takes the first.
   uint64_t chunk = threads <= 1 ? n : (n / threads + 63) & ~uint64_t{63};

@@ -79,9 +79,8 @@ class ChipMemory:
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes, counting every live process's use, as on an NPU."""
         used = 0
-        for entry in self.dir.glob("*") if self.dir.is_dir() else ():
-            pid = int(entry.name) if entry.name.isdigit() else 0
-            if pid and _alive(pid):
+        for entry in self.dir.glob("*"):  # nothing if the directory does not exist yet
+            if entry.name.isdigit() and _alive(int(entry.name)):
                 try:
                     used += int(entry.read_text() or 0)
                 except (OSError, ValueError):

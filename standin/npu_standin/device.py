@@ -19,7 +19,7 @@ from torch.distributed import Store
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from npu_standin.chip import check_own_chip, current_chip, host_chip
-from npu_standin.host_pool import HostAllocationMode, host_tensor
+from npu_standin.host_pool import HostAllocationMode
 from npu_standin.native import host_copy
 from vllm_ascend_rl.device.base import (
     Device,
@@ -78,7 +78,7 @@ class CpuDevice(Device):
     def copy_bytes(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         # Not torch's copy_: its OpenMP pool stalls for milliseconds per call while a colocated
         # vLLM CPU worker holds the cores. Small copies: numpy's memcpy on this thread; large
-        # ones: vmm.host_copy on plain threads, as one thread does not reach memory bandwidth.
+        # ones: native.host_copy on plain threads, as one thread does not reach memory bandwidth.
         n = dst.numel()
         if n >= PARALLEL_COPY_BYTES and dst.is_contiguous() and src.is_contiguous():
             if src.numel() != n:
@@ -95,26 +95,20 @@ class CpuDevice(Device):
     def empty_cache(self) -> None:
         self.synchronize()  # torch_npu's emptyCache synchronizes the device first
         # glibc keeps freed chunks below its (dynamic, up to 32 MiB) mmap threshold in its
-        # arenas; malloc_trim hands them back to the kernel.
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
+        # arenas; malloc_trim hands them back to the kernel. (torch's Linux wheels need glibc.)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
     # -- raw host memory (the host VMM back end) --------------------------------------------
     def memory_pool(self, allocator: SleepPool, tag: str) -> AbstractContextManager[None]:
-        def pooled(nbytes: int) -> torch.Tensor:
-            return host_tensor(allocator, allocator.allocate(nbytes, tag), nbytes, owned=True)
-
-        return HostAllocationMode(pooled)
+        return HostAllocationMode(allocator, tag)
 
     def read_device(self, addr: int, out: torch.Tensor) -> None:
         check_own_chip(self.index)
-        ctypes.memmove(out.data_ptr(), addr, out.numel() * out.element_size())
+        ctypes.memmove(out.data_ptr(), addr, out.nbytes)
 
     def write_device(self, addr: int, src: torch.Tensor) -> None:
         check_own_chip(self.index)
-        ctypes.memmove(addr, src.data_ptr(), src.numel() * src.element_size())
+        ctypes.memmove(addr, src.data_ptr(), src.nbytes)
 
     # -- IPC over POSIX shared memory ------------------------------------------------------
     def create_ipc_buffer(self, nbytes: int) -> ExportedBuffer:
@@ -172,14 +166,13 @@ class QueuedCollectives:
 
     def _prune(self) -> int:
         """Forget the collectives that left the queue; how many remain (lock held)."""
-        self._works = [w for w in self._works if _queued(*w)]
+        now = time.monotonic()
+        self._works = [
+            (work, deadline)
+            for work, deadline in self._works
+            if now < deadline and not (work.is_completed() and work.exception() is None)
+        ]
         return len(self._works)
-
-
-def _queued(work: Any, deadline: float) -> bool:
-    if time.monotonic() >= deadline:
-        return False
-    return not (work.is_completed() and work.exception() is None)
 
 
 # torch_npu's caching allocator (2.10.0.post4): a request grows by a 32-byte pad on A2/A3
@@ -193,19 +186,12 @@ MIN_LARGE_ALLOC, LARGE_SEGMENT = 10 << 20, 20 << 20
 ROUND_LARGE = 2 << 20
 
 
-def segment_size(nbytes: int) -> int:
-    if nbytes <= SMALL_SIZE:
-        return SMALL_SEGMENT
-    if nbytes < MIN_LARGE_ALLOC:
-        return LARGE_SEGMENT
-    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
-
-
 class _Segment:
     def __init__(self, size: int) -> None:
         self.name = f"{SHM_PREFIX}{secrets.token_hex(8)}"
         self.shm = shared_memory.SharedMemory(name=self.name, create=True, size=size)
-        self.size, self.used, self.blocks = size, 0, 0
+        self.size, self.used = size, 0
+        self.blocks: set[int] = set()  # the offsets of its blocks not yet released
         self.linked = True
 
     def unlink(self) -> None:
@@ -228,22 +214,23 @@ class SegmentCarver:
 
     def carve(self, nbytes: int, location: dict[str, str]) -> ExportedBuffer:
         block = -(-(nbytes + PAD) // MIN_BLOCK) * MIN_BLOCK
-        size = segment_size(block)
+        if block <= SMALL_SIZE:
+            size = SMALL_SEGMENT
+        elif block < MIN_LARGE_ALLOC:
+            size = LARGE_SEGMENT
+        else:
+            size = -(-block // ROUND_LARGE) * ROUND_LARGE
         with self._lock:
             seg = self._open.get(size)
             if seg is None or not seg.linked or seg.used + block > seg.size:
                 seg = self._open[size] = _Segment(size)
             offset = seg.used
             seg.used += block
-            seg.blocks += 1
-        released = [False]
+            seg.blocks.add(offset)
 
-        def release() -> None:
+        def release() -> None:  # idempotent: closing and unlinking again do nothing
             with self._lock:
-                if released[0]:
-                    return
-                released[0] = True
-                seg.blocks -= 1
+                seg.blocks.discard(offset)
                 if seg.blocks:
                     return
                 if self._open.get(size) is seg:

@@ -46,11 +46,9 @@ def _free_quietly(pool: SleepPool, addr: int, id_: int) -> None:
 
 
 class HostAllocationMode(TorchFunctionMode):
-    """``pooled(nbytes)``: a zero-filled uint8 tensor from the pool, freed with its last view."""
-
-    def __init__(self, pooled: Callable[[int], torch.Tensor]) -> None:
+    def __init__(self, pool: SleepPool, tag: str) -> None:
         super().__init__()
-        self.pooled = pooled
+        self.pool, self.tag = pool, tag
 
     def __torch_function__(
         self, func: Callable[..., Any], types: object, args: tuple = (), kwargs: dict | None = None
@@ -61,7 +59,8 @@ class HostAllocationMode(TorchFunctionMode):
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
             nbytes = math.prod(shape) * dtype.itemsize
             if nbytes > 0:
-                return self.pooled(nbytes).view(dtype).view(shape)
+                alloc = self.pool.allocate(nbytes, self.tag)
+                return host_tensor(self.pool, alloc, nbytes, owned=True).view(dtype).view(shape)
         return func(*args, **kwargs)
 
 

@@ -11,9 +11,7 @@ from vllm_ascend_rl import vmm
 
 _spec = importlib.util.find_spec("npu_standin.libstandin")
 assert _spec is not None and _spec.origin, "npu_standin's library is not built: reinstall it"
-LIBRARY: str = _spec.origin
-
-_lib = ctypes.CDLL(LIBRARY)
+_lib = ctypes.CDLL(_spec.origin)
 _lib.standin_host_copy.argtypes = [ctypes.c_uint64] * 4
 HOST_BACKEND = ctypes.addressof(ctypes.c_char.in_dll(_lib, "vmm_host_backend"))  # a VmmBackend
 vmm.add_backend("host", HOST_BACKEND)
