@@ -112,7 +112,8 @@ def test_the_allocator_check_judges_what_the_engine_core_gets(
 
 
 @pytest.mark.parametrize(
-    "value, status", [(None, "ok"), ("600", "ok"), ("1836", "ok"), ("0", "ok"), ("ten", "fail")]
+    "value, status",
+    [(None, "ok"), ("600", "ok"), ("1836", "ok"), ("0", "ok"), ("ten", "fail"), ("inf", "fail")],
 )
 def test_hccl_exec_timeout_is_vllm_ascends_own_groups_business(monkeypatch, value, status):
     """Our group sets its own exec timeout; the variable serves vllm-ascend's own groups (its

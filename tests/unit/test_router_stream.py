@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -75,3 +76,41 @@ def test_tokens_in_a_bounce_chunk_reach_the_client_once(engine):
     assert "".join(c["text"] for c in choices) == "<10><11><12><13><14>"
     assert [c["finish_reason"] for c in choices] == [None, None, None, "length"]
     assert bodies[1]["prompt"] == [*PROMPT, 10, 11, 12] and bodies[1]["max_tokens"] == 2
+
+
+def raw_engine(answers: list[bytes]) -> tuple[str, socket.socket]:
+    """An engine that writes ``answers[k]`` (raw HTTP) to its k-th connection and closes it."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        for answer in answers:
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(1 << 16)  # the request (small: one recv)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{server.getsockname()[1]}", server
+
+
+def test_an_engine_whose_error_answer_breaks_off_is_not_counted_in_flight_after():
+    """An engine's 500 whose body breaks off fails that request, and the router still counts
+    the engine idle: ties between idle engines rotate, so the next two requests reach both."""
+    done = {"choices": [{"index": 0, "text": "<7>", "token_ids": [7], "finish_reason": "length"}]}
+    ok = json.dumps(done).encode()
+    ok_answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+    ok_answer = ok_answer % len(ok) + b"Connection: close\r\n\r\n" + ok
+    broken = b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100\r\n\r\nshort"
+    first, s1 = raw_engine([broken, ok_answer, ok_answer])
+    second, s2 = raw_engine([ok_answer, ok_answer, ok_answer])
+    body = {"prompt": PROMPT, "max_tokens": 1, "return_token_ids": True}
+    try:
+        with TestClient(build_app([first, second]), raise_server_exceptions=False) as client:
+            assert client.post("/v1/completions", json=body).status_code >= 500
+            assert client.get("/router/stats").json()["requests"] == {first: 1}
+            for _ in range(2):
+                assert client.post("/v1/completions", json=body).status_code == 200
+            assert client.get("/router/stats").json()["requests"] == {first: 2, second: 1}
+    finally:
+        s1.close()
+        s2.close()
