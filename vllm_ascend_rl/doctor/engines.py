@@ -8,7 +8,6 @@ from typing import Any
 
 import requests
 
-from vllm_ascend_rl._registration import HCCL_BACKEND, NPU_IPC_BACKEND
 from vllm_ascend_rl.doctor import Check, fail, ok, ok_or_fail, warn
 
 SCHEDULER = "vllm_ascend_rl.core.recompute_scheduler.AsyncRecomputeScheduler"
@@ -91,6 +90,10 @@ def addresses(url: str, area: str, timeout_s: float) -> Check:
 def configuration(area: str, config: dict[str, Any] | None) -> list[Check]:
     if config is None:
         return [warn(area, "configuration", "/server_info gave no JSON config", "")]
+    # Not at the top: _registration's logger imports vLLM, whose log handler binds the stdout of
+    # that moment; the doctor's --json output must stay alone on stdout (cli.py redirects it).
+    from vllm_ascend_rl._registration import HCCL_BACKEND, NPU_IPC_BACKEND
+
     backend = (config.get("weight_transfer_config") or {}).get("backend")
     if backend in (HCCL_BACKEND, NPU_IPC_BACKEND):
         transfer = ok(area, "weight transfer", str(backend))
