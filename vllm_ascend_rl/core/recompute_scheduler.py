@@ -202,13 +202,14 @@ class RecomputeScheduler(Scheduler):
                     pause_state.name,
                 )
         else:
-            self._read_step_gate()  # the workers' news, read as every step reads it
-            refusal = self.gate.resume_refusal()
             if self._asleep is not None:  # also a sleep still waiting for its pause, or failed
-                refusal = (
+                refusal: str | None = (
                     "the engine was put to sleep, and a step would run on memory that is not "
                     "resident; call /wake_up first (also after a /sleep that failed)"
                 )
+            else:
+                self._read_step_gate()  # the workers' news, read as every step reads it
+                refusal = self.gate.resume_refusal()
             if refusal is not None:
                 raise RuntimeError(
                     f"refusing to resume generation: {refusal}. The pause stays in force and "

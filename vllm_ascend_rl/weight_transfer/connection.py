@@ -154,9 +154,10 @@ class Connection(Generic[L]):
         Given the trainer an update comes from, NotOwner unless it is the channel's owner."""
         self._check_deadline_and_peer()
         if self._link is not None:
-            if owner is not None and (owner or ANONYMOUS) != self.trainer:
+            sender = None if owner is None else owner or ANONYMOUS
+            if sender is not None and sender != self.trainer:
                 raise NotOwner(
-                    f"this update comes from trainer {owner or ANONYMOUS}, but the weight channel "
+                    f"this update comes from trainer {sender}, but the weight channel "
                     f"belongs to {self.describe()}: only the trainer that made the channel may "
                     "update through it"
                 )
