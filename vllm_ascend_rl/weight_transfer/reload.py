@@ -2,10 +2,12 @@
 
 Checkpoint-format weights must go through layerwise reload: a plain ``load_weights`` into
 processed parameters (on CPU, or wherever ``process_weights_after_loading`` repacks) fails
-halfway and corrupts the model. On abort, partial layers forget what they received and complete
-ones get back what ``begin`` kept: a host copy of every kernel tensor and the layer's plain
-attributes, as processing may replace objects the forward pass uses (vLLM CPU's ``cpu_linear``
-closure over packed oneDNN weights). Objects mutated in place are not restored.
+halfway and corrupts the model. On abort, every layer that received anything gets back what
+``begin`` kept: a host copy of every kernel tensor and the layer's plain attributes, as
+processing may replace objects the forward pass uses (vLLM CPU's ``cpu_linear`` closure over
+packed oneDNN weights), and a partial layer forgets what it buffered too, as some of its tensors
+may have been written at once (vLLM CPU's fused ``qkv_proj.bias``). Objects mutated in place
+are not restored.
 """
 
 from __future__ import annotations
@@ -95,24 +97,25 @@ class LayerwiseReload:
         return copied
 
     def abort(self, model_config: ModelConfig) -> tuple[int, int, int]:
-        """End the update; return (complete layers restored from the host copy, complete
-        layers that keep new weights as no copy was kept, bytes restored). Partial layers
-        forget what they received, so finalize puts their untouched kernel tensors back."""
+        """End the update; return (layers that received weights and were restored from the
+        host copy, such layers that keep new weights as no copy was kept, bytes restored).
+        Finalize then puts a partial layer's kernel tensors back in place."""
         if self.model is None:
             return 0, 0, 0
         restored = kept = nbytes = 0
         for layer in self._pending:
             info = get_layerwise_info(layer)
-            if not info.can_load():  # complete: processed into its kernel tensors
-                backup = self._backup.get(layer)
-                if backup is None:
-                    kept += 1
-                else:
-                    nbytes += backup.restore(layer)
-                    restored += 1
-            elif info.load_numel > 0:
-                info.loaded_weights.clear()  # partial: forget, restore old at finalize
+            if info.can_load():  # partial, or nothing arrived
+                if info.load_numel <= 0:
+                    continue
+                info.loaded_weights.clear()  # forget what it buffered
                 info.load_numel = 0
+            backup = self._backup.get(layer)
+            if backup is None:
+                kept += 1
+            else:
+                nbytes += backup.restore(layer)
+                restored += 1
         try:
             self.finish(model_config)
         finally:
