@@ -52,13 +52,15 @@ class StepHold(IntEnum):
 
 
 class ModelReadiness:
-    """The model's weights: whole, or why not (``reason``), and the worker's memory pools a
-    sleep left released; announced to the step gate once a weight-transfer engine or the
-    sleepable worker gave the address (:meth:`announce_to`)."""
+    """The model's weights: whole, or why not (``reason``), its speculative-decoding drafter's
+    (``drafter``: why they are not whole, or None), and the worker's memory pools a sleep left
+    released; announced to the step gate once a weight-transfer engine or the sleepable worker
+    gave the address (:meth:`announce_to`)."""
 
     def __init__(self) -> None:
         self.state = Readiness.WHOLE
         self.reason: str | None = None
+        self.drafter: str | None = None  # a hold update of the drafter failed part-way
         self.released: list[str] = []  # the sleep pools not resident now (tags)
         self._gate: tuple[str, int] | None = None  # the step gate's address, this worker
         self._link: socket.socket | None = None
@@ -68,6 +70,16 @@ class ModelReadiness:
         self.state = state
         self.reason = None if state is Readiness.WHOLE else reason or state.value
         self._announce()
+
+    def set_drafter(self, reason: str | None) -> None:
+        """Why the drafter's weights are not whole (a step runs the drafter too), or None."""
+        self.drafter = reason
+        self._announce()
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the model must not run now (its weights or its drafter's are not whole)."""
+        return self.reason if self.state is Readiness.NOT_WHOLE else self.drafter
 
     def set_released(self, tags: Iterable[str]) -> None:
         """The worker's sleep pools that are not resident now: a resume is refused while any
@@ -107,7 +119,7 @@ class ModelReadiness:
             return
         news = {
             "worker": self._gate[1],
-            "reason": self.reason,
+            "reason": self.reason or self.drafter,
             "updating": self.state is Readiness.UPDATING,
             "released": self.released,
         }

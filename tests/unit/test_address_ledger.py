@@ -37,6 +37,22 @@ def test_the_ledger_names_every_kind_of_tensor_a_forward_reads():
     }
 
 
+def test_the_ledger_covers_the_drafter_and_finds_it_as_vllm_and_vllm_ascend_keep_it():
+    from types import SimpleNamespace
+
+    from vllm_ascend_rl.worker.ledger import drafter_model
+
+    m, drafter = model(), torch.nn.Sequential(Layer())
+    ledger = address_ledger(m, [], drafter)
+    assert ledger["parameter:draft.0.weight"] == drafter[0].weight.data_ptr()
+    assert ledger["derived:draft.0.scale_host"] == drafter[0].scale_host.data_ptr()
+    assert len(ledger) == 9
+    vllm_runner = SimpleNamespace(get_draft_model=lambda: drafter)
+    ascend_runner = SimpleNamespace(drafter=SimpleNamespace(model=drafter))  # no get_draft_model
+    assert drafter_model(vllm_runner) is drafter is drafter_model(ascend_runner)
+    assert drafter_model(SimpleNamespace(drafter=SimpleNamespace())) is None  # ngram: no module
+
+
 def test_moved_names_a_tensor_given_new_storage_not_one_written_in_place():
     m = model()
     start = address_ledger(m, [])

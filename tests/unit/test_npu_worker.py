@@ -48,6 +48,8 @@ class _MockNPUWorker:  # MOCK of vllm_ascend.worker.worker.NPUWorker
         with torch.no_grad():
             self.model.weight.copy_(torch.arange(256 * 256, dtype=torch.float32).view(256, 256))
         self.model.register_buffer("rope", torch.ones(8))
+        self.model_runner.drafter = types.SimpleNamespace(model=torch.nn.Linear(256, 256))
+        self.model_runner.drafter.model.register_buffer("rope", torch.full((8,), 2.0))
 
     def initialize_from_config(self, config) -> None:
         self.connector = torch.zeros(16)  # ensure_kv_transfer_initialized
@@ -186,9 +188,12 @@ def test_level_2_refuses_the_kv_cache_until_the_weights_are_reloaded(worker):
     """What SleepableCPUWorker guards, the NPU worker guards too: no request may run on
     discarded weights."""
     worker.sleep(level=2)
-    worker.model.rope.fill_(0)  # buffers are saved apart at level 2 ...
+    drafter = worker.model_runner.drafter.model  # vllm-ascend's runner keeps it so
+    worker.model.rope.fill_(0)  # buffers are saved apart at level 2, the drafter's too ...
+    drafter.rope.fill_(0)
     worker.wake_up(["weights"])
     assert torch.equal(worker.model.rope, torch.ones(8))  # ... and restored on wake
+    assert torch.equal(drafter.rope, torch.full((8,), 2.0))
     assert worker.model.weight.abs().sum() == 0  # level 2 discarded the weights
     with pytest.raises(RuntimeError, match="refusing to wake the KV cache"):
         worker.wake_up(["kv_cache"])

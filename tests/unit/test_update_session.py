@@ -275,3 +275,42 @@ def test_an_open_update_is_due_to_be_abandoned_only_after_idle_s_without_a_call(
     assert "no call came for 0.2 s" in (s.cancelled or "")
     fire(s, Event.FINISH)
     assert s.state is State.IDLE
+
+
+def test_a_drafter_left_not_whole_holds_generation_until_a_drafter_update_completes():
+    """A draft update (the engine retargeted at the drafter) that fails part-way under hold:
+    the served model's own updates do not lift it, a drafter update does."""
+    s, drafter, x = session(hold=True, kept=1), torch.nn.Linear(2, 2), torch.zeros(1, 2)
+    s.start(drafter, "draft config")
+    assert (s.model, s.model_config) == (drafter, "draft config")
+    s.receive("d2")
+    state = s.fail(RuntimeError("test"))
+    assert "the drafter's weights are not whole" in state and "of version 'd2'" in state
+    assert (s.model, s.model_config) == (s.target, None)  # the next update is the target's
+    assert s.readiness.state is Readiness.WHOLE and s.readiness.drafter in state
+    assert "until an update of the drafter completes" in state
+    with pytest.raises(RuntimeError, match="refusing to run the model: the drafter's"):
+        s.target(x)
+    s.reload.kept = 0
+    for event in (Event.START, Event.RECEIVE, Event.LOADED, Event.FINISH):
+        fire(s, event)  # the served model's update completes
+    assert s.readiness.refusal == s.readiness.drafter is not None and s._guard is not None
+    s.start(drafter, "draft config")
+    assert s.readiness.state is Readiness.UPDATING
+    for event in (Event.RECEIVE, Event.LOADED, Event.FINISH):
+        fire(s, event)
+    assert s.readiness.refusal is None and s._guard is None
+    assert s.readiness.state is Readiness.WHOLE
+    s.target(x)
+
+
+def test_a_drafter_that_shares_the_served_models_tensors_is_refused_before_anything_opens():
+    """EAGLE's and MTP's embedding or head are the served model's own modules."""
+    from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
+
+    s = session()
+    drafter = torch.nn.Sequential(torch.nn.Linear(2, 2), s.target)
+    with pytest.raises(WeightUpdateRefused, match=r"shares 2 parameter\(s\).*1\.weight") as e:
+        s.start(drafter, "draft config")
+    assert e.value.cause == "draft_shares_target"
+    assert s.state is State.IDLE and s.reload.calls == [] and s.model is s.target

@@ -9,7 +9,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
@@ -39,7 +38,7 @@ from vllm_ascend_rl.weight_transfer.wire import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ModelConfig, VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
 logger = get_logger(__name__)
@@ -92,7 +91,9 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
     backend: ClassVar[str]
     alone_bytes: ClassVar[int | None]  # a tensor above this is sent alone (None: never)
     connects_in_background: ClassVar[bool]  # see connection.py
-    supports_draft_weight_update = False  # vetted against, and loaded into, the target model
+    # A draft update (vLLM's worker retargets us, set_weight_update_target, before
+    # start_weight_update) is vetted against, and loaded into, the drafter (session.py).
+    supports_draft_weight_update = True
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
         self.connection: Connection[K] = Connection(self.lock, self.hw, self._end_if_abandoned)
         self.init_info: I | None = None
         self.step_hold = StepHold.GATE
+        self._expected: dict[int, dict[str, ExpectedParam] | None] = {}
 
     def dial(self, info: I) -> Callable[[float], K]:
         """Check ``info`` against this worker (ValueError now), and say how to connect."""
@@ -147,7 +149,7 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
     def start_weight_update(self) -> None:
         with self._entered():
             self.connection.link()
-            self.session.start()
+            self.session.start(self.model, self.model_config)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """vLLM's parse-receive-synchronize; any failure ends the update (old weights back) and
@@ -164,6 +166,7 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
                         f"refused weight update: {e}. The owner's open update goes on", e.cause
                     ) from e
                 state = self.session.fail(e)
+                self.reset_weight_update_target()  # as vLLM's worker does; NPUWorker does not
                 if isinstance(e, ValueError):  # refusals and malformed calls: nothing loaded
                     raise WeightUpdateRefused(f"refused weight update, {state}: {e}") from e
                 if isinstance(e, RuntimeError) and not isinstance(e, UpdateCancelled):
@@ -187,7 +190,10 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
 
     def finish_weight_update(self) -> None:
         with self._entered():
-            self.session.finish()
+            try:
+                self.session.finish()
+            finally:  # the next update is the served model's unless retargeted again
+                self.reset_weight_update_target()
 
     def shutdown(self) -> None:
         with self._entered():
@@ -209,10 +215,12 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
         with self.lock:
             self.session.pool.release()
 
-    @cached_property
-    def expected(self) -> dict[str, ExpectedParam] | None:
-        """The served checkpoint's parameters (None if they cannot be known), read once."""
-        return expected_params(self.model_config)
+    def expected(self, model_config: ModelConfig) -> dict[str, ExpectedParam] | None:
+        """The parameters of ``model_config``'s checkpoint (the served model's or its
+        drafter's; None if they cannot be known), read once."""
+        if id(model_config) not in self._expected:
+            self._expected[id(model_config)] = expected_params(model_config)
+        return self._expected[id(model_config)]
 
     # -- steps -------------------------------------------------------------------------
     @contextmanager
@@ -227,8 +235,10 @@ class AscendRLEngine(WeightTransferEngine[I, U], Generic[I, U, K]):
     def _vet(self, info: U, validation: str) -> tuple[Verdict, str | None]:
         """This worker's verdict on an update's metadata, and the reason if it is not GO."""
         try:
-            packed_modules = getattr(self.model, "packed_modules_mapping", None)
-            validate_update(info.specs, self.expected, validation, packed_modules)
+            session = self.session
+            expected = self.expected(session.model_config)
+            packed_modules = getattr(session.model, "packed_modules_mapping", None)
+            validate_update(info.specs, expected, validation, packed_modules)
         except WeightUpdateRefused as e:
             return Verdict.REFUSED, str(e)
         return Verdict.GO, None

@@ -22,7 +22,11 @@ Each of vLLM's calls is an :class:`Event` (the forward pass may run between them
   refuses every resume (``readiness.py``) until an update completes.
 - From ``start`` to the end the readiness is UPDATING: the plugin scheduler runs no step
   (``readiness.StepGate``). The engine ends an open update (``abandon``) once no call came for
-  the connection's ``timeout_s`` (``abandon_due``, asked by the connection's thread)."""
+  the connection's ``timeout_s`` (``abandon_due``, asked by the connection's thread).
+- An update loads into the model vLLM's worker retargeted the engine at before ``start`` (the
+  speculative-decoding drafter after ``/start_draft_weight_update``), else the served one; a
+  drafter left not whole is the readiness's ``drafter``, cleared only by a drafter update.
+  The forward guard and the readiness stay on the served model, which every step runs."""
 
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from vllm_ascend_rl.logs import get_logger
 from vllm_ascend_rl.readiness import Readiness, readiness_of
 from vllm_ascend_rl.weight_transfer.buckets import Bucket, ReceivePool, total_bytes, unpack_views
 from vllm_ascend_rl.weight_transfer.reload import LayerwiseReload
+from vllm_ascend_rl.weight_transfer.validation import WeightUpdateRefused
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -132,7 +137,8 @@ class UpdateSession:
         workers_on_host: int,
         backend: str,
     ) -> None:
-        self.model, self.model_config, self.hw = model, model_config, hw
+        self.model, self.model_config, self.hw = model, model_config, hw  # the open update's
+        self.target, self.target_config = model, model_config  # the served model
         self.workers_on_host, self.backend = workers_on_host, backend
         self.state = State.IDLE
         self.hold = False  # on_failure="hold": no backup of the old weights
@@ -175,12 +181,18 @@ class UpdateSession:
         )
 
     # -- events ------------------------------------------------------------------------
-    def start(self) -> None:
-        """``start_weight_update``: open layerwise reload (with a host copy of the old weights
-        unless ``hold``) and guard the forward pass."""
+    def start(
+        self, model: torch.nn.Module | None = None, model_config: ModelConfig | None = None
+    ) -> None:
+        """``start_weight_update`` into ``model`` (its drafter; the served model if None): open
+        layerwise reload (with a host copy of the old weights unless ``hold``) and guard the
+        forward pass."""
         if self.state in (State.OPEN, State.RECEIVED):  # the worker's record of it ended
             self.cancel("the worker ended it and started a new one", "superseded")
         self._next(Event.START)  # before the host copy
+        if model is not None and model is not self.target:
+            _check_drafter(model, self.target)
+            self.model, self.model_config = model, model_config or self.target_config
         self.reload.begin(self.model, self.model_config, not self.hold, self.workers_on_host)
         self._go(Event.START)
         self.cancelled = None
@@ -240,7 +252,7 @@ class UpdateSession:
                 held = self._abort("failed", FinishFailed.cause)
                 self.ended = f"its finish failed ({why}); {held}"
                 raise FinishFailed(f"finish_weight_update: {self.ended}") from e
-            self.readiness.set(Readiness.WHOLE)
+            self._mark_whole(None)
             self._end("ok", "")
 
     def fail(self, e: BaseException) -> str:
@@ -292,22 +304,18 @@ class UpdateSession:
         except Exception as e:  # processing fails on the old weights too
             logger.exception("undoing the weight update failed")
             restored, kept, restored_bytes = 0, 0, 0
-            self.readiness.set(
-                Readiness.NOT_WHOLE,
-                f"the weights are not whole: a weight update{version} failed and could not be "
-                f"undone ({type(e).__name__}: {e}); generation is refused until a weight "
-                "update completes",
+            self._mark_whole(
+                f"the {self._part()} not whole: a weight update{version} failed and could not "
+                f"be undone ({type(e).__name__}: {e}); {self._until()}"
             )
         if restored:
             seconds = time.perf_counter() - started
             figures = {"weight_restore_bytes": restored_bytes, "weight_restore_seconds": seconds}
             metrics.record(figures, backend=self.backend)
         if kept:
-            self.readiness.set(
-                Readiness.NOT_WHOLE,
-                f"the weights are not whole: a weight update{version} failed after {kept} "
-                "layer(s) had taken new weights (on_failure=hold); generation is refused "
-                "until a weight update completes",
+            self._mark_whole(
+                f"the {self._part()} not whole: a weight update{version} failed after {kept} "
+                f"layer(s) had taken new weights (on_failure=hold); {self._until()}"
             )
         elif self.readiness.state is Readiness.UPDATING:
             self.readiness.set(Readiness.WHOLE)  # no layer took new weights
@@ -317,9 +325,25 @@ class UpdateSession:
         return self._whole()
 
     def _whole(self) -> str:
-        if self.readiness.state is Readiness.NOT_WHOLE:
-            return f"{self.readiness.reason} (still, from an earlier failed update)"
+        if self.readiness.refusal:
+            return f"{self.readiness.refusal} (still, from an earlier failed update)"
         return "model unchanged"
+
+    def _part(self) -> str:
+        return "weights are" if self.model is self.target else "drafter's weights are"
+
+    def _until(self) -> str:
+        update = "a weight update" if self.model is self.target else "an update of the drafter"
+        return f"generation is refused until {update} completes"
+
+    def _mark_whole(self, why: str | None) -> None:
+        """The loaded model's weights are whole (None) or not (``why``)."""
+        if self.model is self.target:
+            self.readiness.set(Readiness.NOT_WHOLE if why else Readiness.WHOLE, why)
+            return
+        self.readiness.set_drafter(why)
+        if self.readiness.state is Readiness.UPDATING:
+            self.readiness.set(Readiness.WHOLE)
 
     def _count(self, result: str, cause: str) -> None:
         labels = {"side": "engine", "backend": self.backend}
@@ -333,6 +357,7 @@ class UpdateSession:
         self.ended = f"{result} ({cause})" if cause else result
         metrics.record(self.moved, side="engine", backend=self.backend)
         self.version = None
+        self.model, self.model_config = self.target, self.target_config
         self._set_guard()
         allocated, peak = self.pool.end_update()
         if allocated and result == "ok" and time.monotonic() >= self.hw.hang_until:
@@ -344,9 +369,9 @@ class UpdateSession:
     def _set_guard(self) -> None:
         """The forward pre-hook is on while an update is open or the weights are not whole."""
         wanted = self.state is not State.IDLE and self.state is not State.CANCELLED
-        wanted = wanted or self.readiness.state is Readiness.NOT_WHOLE
+        wanted = wanted or self.readiness.refusal is not None
         if wanted and self._guard is None:
-            self._guard = self.model.register_forward_pre_hook(self._forward)
+            self._guard = self.target.register_forward_pre_hook(self._forward)
         elif not wanted and self._guard is not None:
             self._guard.remove()
             self._guard = None
@@ -360,5 +385,20 @@ class UpdateSession:
                 "start_weight_update",
                 "generation_ran",
             )
-        if self.readiness.state is Readiness.NOT_WHOLE:
-            raise RuntimeError(f"refusing to run the model: {self.readiness.reason}")
+        if self.readiness.refusal:
+            raise RuntimeError(f"refusing to run the model: {self.readiness.refusal}")
+
+
+def _check_drafter(drafter: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Refuse to update a drafter that shares parameters with the served model (EAGLE's and
+    MTP's embedding or head, vLLM's ``_maybe_share_*`` and vllm-ascend's): its update would write
+    the served model's weights, which vLLM's loading never does (a target update carries them)."""
+    served = {id(p) for p in target.parameters()}  # buffers (rotary caches) are not loaded
+    shared = [name for name, p in drafter.named_parameters() if id(p) in served]
+    if shared:
+        raise WeightUpdateRefused(
+            f"refused draft weight update: the drafter shares {len(shared)} parameter(s) with the "
+            f"served model ({', '.join(shared[:3])}...), which a target update carries; only "
+            "drafters with weights of their own are updated",
+            "draft_shares_target",
+        )

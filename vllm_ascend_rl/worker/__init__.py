@@ -15,7 +15,7 @@ from vllm_ascend_rl.readiness import (
     worker_readiness,
 )
 from vllm_ascend_rl.weight_transfer.connection import NotOwner
-from vllm_ascend_rl.worker.ledger import StartupAddressLedger, kv_cache_tensors
+from vllm_ascend_rl.worker.ledger import StartupAddressLedger, drafter_model, kv_cache_tensors
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -117,6 +117,26 @@ class SleepableMixin(StartupAddressLedger):
         except Exception as e:
             if getattr(e, "cause", None) == NotOwner.cause:
                 self._weight_update_active = True
+            raise
+
+    def start_draft_weight_update(self) -> None:
+        """``/start_draft_weight_update``, which vllm-ascend's ``NPUWorker`` lacks (182b75e):
+        the next update loads into the speculative-decoding drafter, as with vLLM's ``Worker``
+        (``_set_draft_weight_update_target``); the engine returns to the served model at its
+        end. RuntimeError if there is no drafter with weights."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        drafter = drafter_model(getattr(self, "model_runner", None))
+        config = getattr(self.vllm_config.speculative_config, "draft_model_config", None)
+        if engine is None or drafter is None or config is None:
+            raise RuntimeError(
+                "start_draft_weight_update: no drafter to update (no weight transfer engine, no "
+                "speculative decoding, or a method without a model of its own such as ngram)"
+            )
+        engine.set_weight_update_target(drafter, config)
+        try:
+            self.start_weight_update()  # type: ignore[attr-defined]  # the worker's
+        except BaseException:
+            engine.reset_weight_update_target()
             raise
 
     def reload_weights(self, *args: Any, **kwargs: Any) -> None:

@@ -30,10 +30,27 @@ def kv_cache_tensors(model_runner: Any) -> Iterator[torch.Tensor]:
             stack.extend(item)
 
 
-def address_ledger(model: torch.nn.Module, kv_caches: Iterable[torch.Tensor]) -> dict[str, int]:
-    """``kind:name`` -> data address, for every tensor a forward pass reads."""
+def drafter_model(model_runner: Any) -> torch.nn.Module | None:
+    """The speculative-decoding drafter's module, if the runner has one (vLLM's
+    ``get_draft_model``; vllm-ascend's runner keeps it as ``drafter.model``, 182b75e
+    ``spec_decode/llm_base_proposer.py:290``)."""
+    get = getattr(model_runner, "get_draft_model", None)
+    model = (
+        get() if callable(get) else getattr(getattr(model_runner, "drafter", None), "model", None)
+    )
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+def address_ledger(
+    model: torch.nn.Module,
+    kv_caches: Iterable[torch.Tensor],
+    drafter: torch.nn.Module | None = None,
+) -> dict[str, int]:
+    """``kind:name`` -> data address, for every tensor a forward pass reads (the drafter's
+    named ``kind:draft.name``)."""
     ledger: dict[str, int] = {}
-    for path, module in model.named_modules():
+    drafted = [] if drafter is None else drafter.named_modules(prefix="draft")
+    for path, module in (*model.named_modules(), *drafted):
         prefix = f"{path}." if path else ""
         for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, t in tensors.items():
@@ -63,7 +80,7 @@ class AddressLedger:
 
     def address_ledger(self) -> dict[str, int]:
         runner = self.model_runner
-        return address_ledger(runner.get_model(), kv_cache_tensors(runner))
+        return address_ledger(runner.get_model(), kv_cache_tensors(runner), drafter_model(runner))
 
     def moved_addresses(self) -> dict[str, list[int | None]]:
         """Since start-up; {} while every tensor is where the engine started with it."""

@@ -7,9 +7,13 @@ lookup, so this module imports on hosts without it."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from vllm_ascend_rl.readiness import Readiness
+from vllm_ascend_rl.worker.ledger import drafter_model
 
 NOT_POOLED = (
     "the weights were loaded outside the sleep allocator's pool: torch_npu's allocator is "
@@ -24,7 +28,6 @@ NOT_POOLED = (
 
 @functools.cache
 def _build_class() -> type:
-    import torch
     from vllm_ascend.worker.worker import NPUWorker  # Ascend hosts only
 
     from vllm_ascend_rl import device as devices
@@ -89,8 +92,7 @@ def _build_class() -> type:
             self.check_sleep_level(level)
             saved = {}
             if level >= 2:  # buffers (rotary caches, ...) are not reloaded from a checkpoint
-                model = self.model_runner.get_model()
-                saved = {name: b.to("cpu", copy=True) for name, b in model.named_buffers()}
+                saved = {name: b.to("cpu", copy=True) for name, b in _buffers(self.model_runner)}
             freed = release_for_sleep(self, self.camem_backend, level)  # all or nothing
             if level >= 2:
                 self._saved_buffers = saved
@@ -105,8 +107,7 @@ def _build_class() -> type:
             self.refuse_kv_wake_before_reload(tags)
             self.camem_backend.resume(tags)
             if (tags is None or "weights" in tags) and self._saved_buffers:
-                model = self.model_runner.get_model()
-                for name, buffer in model.named_buffers():
+                for name, buffer in _buffers(self.model_runner):
                     if name in self._saved_buffers:
                         buffer.data.copy_(self._saved_buffers[name].to(buffer.device))
                 self._saved_buffers = {}
@@ -124,6 +125,15 @@ def _build_class() -> type:
         setattr(SleepableNPUWorker, name, method)
     SleepableNPUWorker.__module__ = __name__
     return SleepableNPUWorker
+
+
+def _buffers(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The served model's buffers and its drafter's (``draft.``), as vLLM's worker saves them
+    at level 2 (``gpu_worker.py:257-267`` in 0.32.0)."""
+    yield from runner.get_model().named_buffers()
+    drafter = drafter_model(runner)
+    if drafter is not None:
+        yield from drafter.named_buffers(prefix="draft")
 
 
 def __getattr__(name: str) -> Any:
