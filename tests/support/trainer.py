@@ -135,11 +135,13 @@ class TrainerProcess:
         *,
         url: str | None = None,
         pause: bool = True,
+        draft: bool = False,
         **faults: Any,
     ) -> dict:
-        """Sync the engine at ``url`` (default: the one initialized last). ``pause``: an
-        engine that is not paused is paused (``keep``) for the sync and resumed after, as an
-        RL loop does; ``pause=False`` syncs it while it generates."""
+        """Sync the engine at ``url`` (default: the one initialized last); ``draft``: its
+        drafter, from the checkpoint :meth:`load_draft` loaded. ``pause``: an engine that is
+        not paused is paused (``keep``) for the sync and resumed after, as an RL loop does;
+        ``pause=False`` syncs it while it generates."""
         from vllm_ascend_rl.client import EngineControlClient, EngineControlError
 
         target = url or self.last_url
@@ -152,7 +154,8 @@ class TrainerProcess:
         if paused_here:
             ctl.pause(mode="keep")
         try:
-            return self.request("send", weight_version=weight_version, url=url, faults=faults)
+            args = {"weight_version": weight_version, "url": url, "draft": draft}
+            return self.request("send", faults=faults, **args)
         finally:
             if paused_here:
                 try:
@@ -162,6 +165,10 @@ class TrainerProcess:
 
     def load(self, checkpoint: str | os.PathLike) -> None:
         self.request("load", path=str(checkpoint))
+
+    def load_draft(self, checkpoint: str | os.PathLike) -> None:
+        """The drafter's weights :meth:`send` sends with ``draft=True``."""
+        self.request("load_draft", path=str(checkpoint))
 
     def metrics(self) -> str:
         """The trainer process's counters in Prometheus text form (metrics.py)."""
@@ -317,6 +324,7 @@ def _serve(
     from vllm_ascend_rl.device import current_device
 
     model = load_hf_model(model_path).to(current_device().torch_device())
+    draft = None  # the drafter's weights (load_draft)
     engines: dict[str, Any] = {}  # one trainer-side engine per server URL
     last_url: str | None = None
 
@@ -367,6 +375,9 @@ def _serve(
                         load_file(os.path.join(msg["path"], "model.safetensors")), strict=True
                     )
                 reply(True)
+            elif cmd == "load_draft":
+                draft = load_hf_model(msg["path"]).to(current_device().torch_device())
+                reply(True)
             elif cmd == "registered_engines":
                 from vllm.distributed.weight_transfer.factory import (
                     WeightTransferEngineFactory,
@@ -405,15 +416,14 @@ def _serve(
                 foreign: list[list] = []
                 if "foreign_after" in faults:  # a hand-written update lands in this window
                     _foreign_after(engine.client, faults.pop("foreign_after"), foreign)
-                saved = engine.source
-                if faults:
-                    engine.source = _faulty_source(model, faults)
+                weights = draft if msg.get("draft") else model
+                source = _faulty_source(weights, faults) if faults else ModuleSource(weights)
                 if payload_patch:
                     _patch_payload(engine, payload_patch)
                 try:
-                    r = engine.send_weights(weight_version=msg.get("weight_version"))
+                    version = msg.get("weight_version")
+                    r = engine.send_weights(version, source=source, draft=bool(msg.get("draft")))
                 finally:
-                    engine.source = saved
                     engine.__dict__.pop("payload", None)
                     for call in ("start_weight_update", "update_weights"):
                         engine.client.__dict__.pop(call, None)  # its class's methods again

@@ -277,7 +277,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             d.close()
 
     # -- one update: another rank's part --------------------------------------------------
-    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket], source: WeightSource) -> None:
         """The sender's steps, seen from another rank: its ring to the sender; if the update
         opened, its workers' verdict to every rank, and on go, the buckets."""
         try:
@@ -285,7 +285,7 @@ class AscendRLNPUIPCTrainerWeightTransferEngine(TrainerTransport[NPUIPCTrainerIn
             if self._sender_says(None) is not None:  # the sender's start failed: no update
                 return
             if self._agree(plan, lambda: None) == Verdict.GO:
-                self._stream(plan, iter(self.source), lambda: None)
+                self._stream(plan, iter(source), lambda: None)
         except BaseException:
             self.abort()
             raise

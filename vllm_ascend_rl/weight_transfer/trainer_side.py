@@ -190,12 +190,20 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
         return engine
 
     # vLLM's returns None: ours says what the update moved.
-    def send_weights(self, weight_version: str | None = None) -> SyncResult:  # type: ignore[override]
-        """Push the source into the engine (start, update, finish); ``weight_version`` tags
-        later outputs. Raises WeightSyncError."""
+    def send_weights(  # type: ignore[override]
+        self,
+        weight_version: str | None = None,
+        *,
+        source: WeightSource | None = None,
+        draft: bool = False,
+    ) -> SyncResult:
+        """Push ``source`` (default: ``trainer_init``'s) into the engine (start, update,
+        finish); ``weight_version`` tags later outputs. ``draft=True`` updates the engine's
+        speculative-decoding drafter (``/start_draft_weight_update``), a session of its own:
+        send the target, then the drafter. Raises WeightSyncError."""
         labels = {"side": "trainer", "backend": self.init_info.backend}
         try:
-            done = self._send(weight_version)
+            done = self._send(weight_version, source or self.source, draft)
         except Exception as e:
             cause = getattr(e, "cause", "source") if self.is_sender else None
             if cause:
@@ -214,8 +222,8 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
             metrics.record(moved, **labels)
         return done
 
-    def _send(self, weight_version: str | None) -> SyncResult:
-        specs = source_specs(self.source)
+    def _send(self, weight_version: str | None, source: WeightSource, draft: bool) -> SyncResult:
+        specs = source_specs(source)
         plan = plan_for(self.init_info, specs, self.alone_bytes)
         reason = self.not_ready()
         if reason:
@@ -224,7 +232,7 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
                 "not_connected",
             )
         if not self.is_sender:
-            self.follow(specs, plan)
+            self.follow(specs, plan, source)
             return SyncResult(0, 0.0, len(specs), len(plan), weight_version)
         started = time.perf_counter()
         nbytes, timeout_s = total_bytes(specs), self.init_info.timeout_s
@@ -235,9 +243,9 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
             raise WeightSyncError(f"preparing the update failed: {e}", "transfer") from e
         if weight_version is not None:
             payload["weight_version"] = weight_version
-        update = self._open_update(plan, payload)
+        update = self._open_update(plan, payload, draft)
         try:
-            self.send(plan, iter(self.source), update)
+            self.send(plan, iter(source), update)
             update.result(timeout_s)
         except BaseException as e:
             self.abort()  # the engine notices at once instead of after its timeout
@@ -250,12 +258,13 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
         seconds = time.perf_counter() - started
         return SyncResult(nbytes, seconds, len(specs), len(plan), weight_version)
 
-    def _open_update(self, plan: list[Bucket], payload: dict) -> BackgroundCall:
-        """start_weight_update, then update_weights (in the background) and the handshake."""
+    def _open_update(self, plan: list[Bucket], payload: dict, draft: bool) -> BackgroundCall:
+        """start_weight_update (or the drafter's), then update_weights (in the background) and
+        the handshake."""
         try:
             if self.step_hold is not StepHold.GATE:
                 require_paused(self.client, self.step_hold)
-            start_update(self.client)
+            start_update(self.client, draft)
         except WeightSyncError as e:
             self.cancel(str(e))
             raise
@@ -297,10 +306,10 @@ class TrainerTransport(TrainerWeightTransferEngine[InfoT]):
     def abort(self) -> None:
         """Give up the connection after a failure in the middle of an update."""
 
-    def follow(self, specs: list[TensorSpec], plan: list[Bucket]) -> None:
-        """A non-sender rank's part of an update; by default it only iterates the source (its
+    def follow(self, specs: list[TensorSpec], plan: list[Bucket], source: WeightSource) -> None:
+        """A non-sender rank's part of an update; by default it only iterates ``source`` (its
         gathers are collectives)."""
-        for _ in self.source:
+        for _ in source:
             pass
 
     def succeeded(self) -> None:
@@ -340,15 +349,39 @@ def require_paused(client: Any, hold: StepHold) -> None:
         )
 
 
-def start_update(client: Any) -> None:
-    """``start_weight_update``; if vLLM's worker still holds an update a dead trainer left
-    open, end it (our finish restores the old weights unless all of it arrived), retry once."""
+def draft_start(client: Any) -> Callable[[], Any]:
+    """``/start_draft_weight_update`` through ``client``: its own method if it has one (vLLM's
+    clients have none), else the route at its ``base_url``, else on its Ray ``handles``."""
+    own, url = getattr(client, "start_draft_weight_update", None), getattr(client, "base_url", None)
+    if callable(own):
+        return own
+    if url:
+        timeout_s = getattr(client, "timeout", 300.0)
+        return lambda: EngineControlClient(url, timeout_s=timeout_s).request(
+            "POST", "/start_draft_weight_update"
+        )
+
+    def on_each_actor() -> Any:  # vLLM's Ray client: AsyncLLM / LLM actors have the method
+        import ray
+
+        return ray.get([h.start_draft_weight_update.remote() for h in client.handles])
+
+    return on_each_actor
+
+
+def start_update(client: Any, draft: bool = False) -> None:
+    """``start_weight_update`` (the drafter's if ``draft``); if vLLM's worker still holds an
+    update a dead trainer left open, end it (our finish restores the old weights unless all of
+    it arrived), retry once."""
+    what, start = "start_weight_update", client.start_weight_update
+    if draft:
+        what, start = "start_draft_weight_update", draft_start(client)
     try:
-        call("start_weight_update", client.start_weight_update)
+        call(what, start)
     except WeightSyncError as refused:
         try:
             call("finish_weight_update", client.finish_weight_update, None)
         except WeightSyncError:
             raise refused from None  # nothing was left open: the start's own failure
         logger.warning("ended a weight update another trainer left open: %s", refused)
-        call("start_weight_update", client.start_weight_update)
+        call(what, start)
