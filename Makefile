@@ -125,7 +125,7 @@ bench: $(STAMP)
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install --quiet matplotlib
 	@# Every script runs, even after one reports a target NOT met; make fails at the end.
 	@status=0; for b in weight_sync ipc_sync sleep_wake wake_graphs scheduler_overhead \
-	    pause_latency rl_loop scale_out; do \
+	    pause_latency rl_loop scale_out draft_updates; do \
 	    echo "== benchmarks/$$b.py"; PYTHONPATH=. $(BIN)/python benchmarks/$$b.py || status=1; \
 	done; exit $$status
 
