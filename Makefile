@@ -72,12 +72,14 @@ SERVER_TESTS := $(if $(filter 0.32.0,$(VLLM)),tests/e2e tests/reliability tests/
 UNIT_TESTS := tests/unit $(if $(filter 0.32.0,$(VLLM)),,--deselect $(PREFLIGHT))
 # What needs no server (lint and the canary once, on the default leg; the unit suite) runs
 # beside the suites with servers, which leave about half of the host idle while one engine
-# decodes; its output, kept in $(VENV)/beside.log, follows theirs. Their /dev/shm check spans
-# both (tests/conftest.py).
+# decodes, at the lowest priority: at the servers' own, a DP=2 engine's API server fell
+# seconds behind its engine cores and its pauses came after the streams had ended. Its
+# output, kept in $(VENV)/beside.log, follows theirs. Their /dev/shm check spans both
+# (tests/conftest.py).
 BESIDE := $(if $(filter 0.32.0,$(VLLM)),lint canary) unit
 
 test: $(STAMP)
-	@VLLM_ASCEND_RL_BESIDE_SERVERS=1 $(MAKE) --no-print-directory --keep-going $(BESIDE) \
+	@VLLM_ASCEND_RL_BESIDE_SERVERS=1 nice -n 19 $(MAKE) --no-print-directory --keep-going $(BESIDE) \
 	    > $(VENV)/beside.log 2>&1 & beside=$$!; \
 	$(BIN)/python -m pytest $(SERVER_TESTS) --durations=25; servers=$$?; \
 	wait $$beside; beside=$$?; echo "== $(BESIDE)"; cat $(VENV)/beside.log; \

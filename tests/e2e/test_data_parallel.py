@@ -26,7 +26,12 @@ from tests.support import (
 )
 from tests.support.doctor import engine_checks
 from tests.support.profile import trainer_env
-from tests.support.rl_step import check_continuations, swap_mid_generation, swap_unpaused
+from tests.support.rl_step import (
+    check_continuations,
+    pause_each_mid_generation,
+    swap_mid_generation,
+    swap_unpaused,
+)
 from tests.support.trainer import TrainerProcess
 from vllm_ascend_rl.client import EngineControlClient
 
@@ -146,35 +151,21 @@ def rank_rss(server: VLLMServer) -> dict[str, int]:
     return out
 
 
-def settled(streams: list[StreamingCompletion], quiet_s: float = 1.0) -> list[int]:
-    """The streams' token counts once none changed for ``quiet_s`` (at most 60 s): a loaded
-    API server delivers tokens its engines made before the pause well after the pause."""
-    counts, quiet_since, deadline = None, time.monotonic(), time.monotonic() + 60
-    while time.monotonic() < deadline:
-        now = [s.num_tokens for s in streams]
-        if now != counts:
-            counts, quiet_since = now, time.monotonic()
-        elif time.monotonic() - quiet_since >= quiet_s:
-            break
-        time.sleep(0.05)
-    return counts or []
-
-
 def test_one_pause_freezes_both_ranks_and_keep_requests_resume(servers):
     engine, _, _ = servers
     ctl = EngineControlClient(engine.url, timeout_s=120)
-    # 2000 tokens a stream (the model holds 2048): a loaded API server acknowledged a DP
-    # pause after most 400-token streams had ended (CI).
+    # 2000 tokens a stream (the model holds 2048), admitted behind a pause and paused again a
+    # moment after the resume: a loaded API server delivers tokens seconds after its engine
+    # cores made them, so a pause timed on the tokens a client has seen came after most
+    # streams had ended (CI).
     streams = [StreamingCompletion(engine.url, f"Rank test {i}:", 2000) for i in range(8)]
+    ctl.pause("keep")
     for s in streams:
         s.start()
-    deadline = time.monotonic() + 60
-    while min(s.num_tokens for s in streams) < 4 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    time.sleep(0.3)
     try:
-        ctl.pause("keep")
+        frozen, _ = pause_each_mid_generation([engine.url], streams, 4, 2000)
         assert ctl.is_paused() is True
-        frozen = settled(streams)
         # A rank that kept generating would have run its streams to their end.
         assert all(n < 2000 for n in frozen), f"a DP rank generated while paused: {frozen}"
         time.sleep(1.5)

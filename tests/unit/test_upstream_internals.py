@@ -509,6 +509,27 @@ def test_worker_attributes():
     )
 
 
+def test_drafter():
+    import importlib
+
+    from vllm.config import SpeculativeConfig
+
+    runners = []
+    for module in ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.model_runner"):  # 0.34
+        try:
+            runners.append(importlib.import_module(module).GPUModelRunner)
+        except ImportError:
+            continue
+    assert runners and all(callable(getattr(r, "get_draft_model", None)) for r in runners), (
+        "vLLM's model runner lost get_draft_model(): worker/ledger.py (drafter_model) finds the "
+        "speculative-decoding drafter by it, for draft updates, the ledger and level-2 sleep"
+    )
+    assert "draft_model_config" in SpeculativeConfig.__dataclass_fields__, (
+        "vLLM's SpeculativeConfig.draft_model_config is gone: worker/__init__.py "
+        "(start_draft_weight_update) points the engine at the drafter with it"
+    )
+
+
 def test_kv_caches():
     import importlib
 
