@@ -75,6 +75,8 @@ def step_ms(streams: Iterable, since: float, until: float = math.inf) -> float:
     for s in streams:
         times = [t for t in list(s.token_times) if since <= t < until]
         gaps += [b - a for a, b in itertools.pairwise(times) if b > a]
+    if not gaps:  # a host so slow (or loaded) that no stream got two tokens in the window
+        raise RuntimeError("no stream received two tokens in the window: the host is too busy")
     return 1e3 * statistics.median(gaps)
 
 
