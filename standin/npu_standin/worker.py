@@ -22,7 +22,7 @@ from vllm_ascend_rl.worker import (
     confine_kv_pool,
     release_for_sleep,
 )
-from vllm_ascend_rl.worker.ledger import StartupAddressLedger, drafter_model
+from vllm_ascend_rl.worker.ledger import StartupAddressLedger, served_modules
 
 logger = get_logger(__name__)
 
@@ -144,9 +144,8 @@ class SleepableCPUWorker(SleepableMixin, NPUWorkerLifecycle, ChipCPUWorker):
         """The weights' pool memory is gone (a wake maps zeroes at the same addresses); the
         packed copies vLLM's CPU linear layers keep outside the pool go too, rebuilt by the
         reload's post-load processing."""
-        models = (self.model_runner.get_model(), drafter_model(self.model_runner))  # one pool
-        for module in (m for model in models if model is not None for m in model.modules()):
-            if hasattr(module, "cpu_linear"):
-                module.cpu_linear = _discarded_linear
+        for _, module in served_modules(self.model_runner):  # the drafter's too: one pool
+            if hasattr(module, "cpu_linear"):  # a plain attribute vLLM's CPU linear sets
+                vars(module)["cpu_linear"] = _discarded_linear
         self.readiness.set(Readiness.DISCARDED)
         self.allocator.device.empty_cache()  # the host heap gives the packed copies back

@@ -59,7 +59,7 @@ def addresses(url: str) -> dict[str, int]:
     return ledger
 
 
-def assert_addresses_kept(url: str, since: dict[str, int], after: str) -> None:
+def assert_kept_since(url: str, since: dict[str, int], after: str) -> None:
     """Nothing moved since the ledger ``since`` (the test's start: vLLM's own disk reload, the
     HCCL engine's reference, gives the attention layers new scale tensors)."""
     gone = moved(since, addresses(url))
@@ -146,7 +146,7 @@ class DraftUpdateCases:
         )
         assert fresh["acceptance"] > 0.8 and both > 0.8, (fresh["acceptance"], both)
         assert target_only < fresh["acceptance"] / 2, (target_only, fresh["acceptance"])
-        assert_addresses_kept(engine.url, on_v1, "a target update and a drafter update")
+        assert_kept_since(engine.url, on_v1, "a target update and a drafter update")
 
     def test_an_unpaused_draft_update_lands_between_two_tokens(self, engine, trainer, on_v1):
         """No pause: the step gate holds the steps (the drafter runs in every one) while the
@@ -169,7 +169,7 @@ class DraftUpdateCases:
         assert [s.token_ids for s in streams] == expected
         assert all(s.ok and s.finish_reason == "length" for s in streams)
         assert accepted(engine.url) > max(0.8, 2 * before)
-        assert_addresses_kept(engine.url, on_v1, "an unpaused drafter update")
+        assert_kept_since(engine.url, on_v1, "an unpaused drafter update")
 
     def test_a_draft_update_that_fails_mid_transfer_restores_the_drafter_exactly(
         self, engine, trainer, fresh, on_v1, tmp_path
@@ -196,7 +196,7 @@ class DraftUpdateCases:
         assert drafter_checksums(engine.url) == checksum
         assert greedy_token_ids(engine.url, PROBE, 24) == fresh["v1"]
         assert accepted(engine.url) > 0.8
-        assert_addresses_kept(engine.url, on_v1, "a drafter update that failed mid-transfer")
+        assert_kept_since(engine.url, on_v1, "a drafter update that failed mid-transfer")
 
     def test_a_draft_update_is_checked_against_the_drafters_checkpoint(
         self, engine, trainer, fresh, on_v1

@@ -41,16 +41,22 @@ def drafter_model(model_runner: Any) -> torch.nn.Module | None:
     return model if isinstance(model, torch.nn.Module) else None
 
 
+def served_modules(model_runner: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+    """Every module a step runs, by path: the served model's, then its speculative-decoding
+    drafter's (under ``draft.``)."""
+    yield from model_runner.get_model().named_modules()
+    drafter = drafter_model(model_runner)
+    if drafter is not None:
+        yield from drafter.named_modules(prefix="draft")
+
+
 def address_ledger(
-    model: torch.nn.Module,
-    kv_caches: Iterable[torch.Tensor],
-    drafter: torch.nn.Module | None = None,
+    modules: Iterable[tuple[str, torch.nn.Module]], kv_caches: Iterable[torch.Tensor]
 ) -> dict[str, int]:
-    """``kind:name`` -> data address, for every tensor a forward pass reads (the drafter's
-    named ``kind:draft.name``)."""
+    """``kind:name`` -> data address, for every tensor a forward pass reads, of ``modules``
+    (path, module) and the KV cache."""
     ledger: dict[str, int] = {}
-    drafted = [] if drafter is None else drafter.named_modules(prefix="draft")
-    for path, module in (*model.named_modules(), *drafted):
+    for path, module in modules:
         prefix = f"{path}." if path else ""
         for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, t in tensors.items():
@@ -80,7 +86,7 @@ class AddressLedger:
 
     def address_ledger(self) -> dict[str, int]:
         runner = self.model_runner
-        return address_ledger(runner.get_model(), kv_cache_tensors(runner), drafter_model(runner))
+        return address_ledger(served_modules(runner), kv_cache_tensors(runner))
 
     def moved_addresses(self) -> dict[str, list[int | None]]:
         """Since start-up; {} while every tensor is where the engine started with it."""

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vllm_ascend_rl.readiness import Readiness
-from vllm_ascend_rl.worker.ledger import drafter_model
+from vllm_ascend_rl.worker.ledger import served_modules
 
 NOT_POOLED = (
     "the weights were loaded outside the sleep allocator's pool: torch_npu's allocator is "
@@ -130,10 +130,8 @@ def _build_class() -> type:
 def _buffers(runner: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """The served model's buffers and its drafter's (``draft.``), as vLLM's worker saves them
     at level 2 (``gpu_worker.py:257-267`` in 0.32.0)."""
-    yield from runner.get_model().named_buffers()
-    drafter = drafter_model(runner)
-    if drafter is not None:
-        yield from drafter.named_buffers(prefix="draft")
+    for path, module in served_modules(runner):
+        yield from module.named_buffers(prefix=path, recurse=False)
 
 
 def __getattr__(name: str) -> Any:
